@@ -1,0 +1,41 @@
+"""What the Hopper GEMM launchers share: tile constants, shared-memory sizing, kernel sources."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jit.runtime import Kernel, get_kernel
+
+BLOCK_M = 128
+BLOCK_K = 64
+NUM_THREADS = 384  # two math warpgroups + one TMA producer warpgroup
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory a CTA may use on sm_90
+MAX_STAGES = 8
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One compiled variant of a grouped GEMM kernel."""
+
+    block_n: int
+    num_stages: int
+    smem_bytes: int
+
+
+def make_config(block_n: int, epilogue_bytes: int) -> GemmConfig:
+    """The deepest pipeline that fits next to `epilogue_bytes` of epilogue shared memory."""
+    per_stage = (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * 8  # A and B tiles, full and empty barriers
+    num_stages = min(MAX_STAGES, (SMEM_LIMIT - epilogue_bytes) // per_stage)
+    return GemmConfig(block_n, num_stages, epilogue_bytes + num_stages * per_stage)
+
+
+def build_kernel(header: str, params_type: str, impl: str, template_args: list, smem_bytes: int) -> Kernel:
+    """Compiles (or fetches from cache) an `extern "C" kernel` entry that runs `impl<args>`."""
+    args = ", ".join(str(a) for a in template_args)
+    source = (
+        f"#include <deep_gemm/impls/{header}>\n\n"
+        f'extern "C" __global__ void __launch_bounds__({NUM_THREADS}, 1)\n'
+        f"kernel(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
+        f"    deep_gemm::{impl}<{args}>(p);\n"
+        f"}}\n")
+    name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
+    return get_kernel(name, source, NUM_THREADS, smem_bytes)

@@ -1,0 +1,90 @@
+"""K-grouped bf16 GEMM (MoE weight gradients): contraction over each group's ragged rows."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..jit.tma import make_tma_2d_desc
+from ..jit.runtime import pack_params
+from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms, print_configs_enabled
+from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config
+
+_BLOCK_NS = (128, 256)
+_OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
+
+
+def get_config(n: int, block_n: Optional[int] = None) -> GemmConfig:
+    """The variant the launcher picks for output width `n` (or the forced `block_n`)."""
+    if block_n is None:
+        block_n = 256 if n > 128 else 128
+    if block_n not in _BLOCK_NS:
+        raise ValueError(f"block_n must be one of {_BLOCK_NS}")
+    return make_config(block_n, 0)
+
+
+def all_configs() -> list[GemmConfig]:
+    return [get_config(0, block_n) for block_n in _BLOCK_NS]
+
+
+def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool):
+    return build_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
+                        [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower()],
+                        config.smem_bytes)
+
+
+_printed: set = set()
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      group_offsets: torch.Tensor, *, accumulate: bool = False,
+                                      block_n: Optional[int] = None) -> None:
+    """Grouped ``D[g] (+)= A[rows of g].T @ B[rows of g]`` (MoE weight gradients), into `d`.
+
+    Args:
+        a: ``[R, M]`` bf16, row-major (e.g. output gradients of the routed rows).
+        b: ``[R, N]`` bf16, row-major (e.g. the routed inputs).
+        d: ``[G, M, N]`` float32 (default choice) or bf16. Every group is written; an empty
+            group gives zeros (or leaves `d[g]` unchanged with ``accumulate=True``).
+        group_offsets: ``[G + 1]`` int32 on the GPU: group g contracts over rows
+            ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, R]``;
+            sizes are arbitrary. Read on the GPU: no host sync.
+        accumulate: add into the existing `d` instead of overwriting it.
+        block_n: force a tile width (128 or 256); the default picks by N.
+
+    Requires M and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
+    """
+    check_tensor("a", a, torch.bfloat16, 2)
+    check_tensor("b", b, torch.bfloat16, 2)
+    check_tensor("d", d, (torch.float32, torch.bfloat16), 3)
+    num_groups = check_group_offsets(group_offsets)
+    rows, m = a.shape
+    if b.shape[0] != rows:
+        raise ValueError(f"a and b must have the same number of rows, got {rows} and {b.shape[0]}")
+    n = b.shape[1]
+    if tuple(d.shape) != (num_groups, m, n):
+        raise ValueError(f"d must have shape {(num_groups, m, n)}, got {tuple(d.shape)}")
+    check_multiple("M", m, 8)
+    check_multiple("N", n, 8)
+    if max(rows, m, n) >= 2**31:
+        raise ValueError("dimensions must stay below 2**31")
+    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
+    if m == 0 or n == 0 or num_groups == 0:
+        return
+    if rows == 0:  # every group is empty (and TMA cannot describe a zero-row tensor)
+        if not accumulate:
+            d.zero_()
+        return
+
+    config = get_config(n, block_n)
+    key = (m, n, rows, num_groups, d.dtype, accumulate)
+    if print_configs_enabled() and key not in _printed:
+        _printed.add(key)
+        print(f"[deep_gemm] k_grouped_bf16_gemm_tn: M={m} N={n} rows={rows} G={num_groups} "
+              f"out={d.dtype} accumulate={accumulate} -> {config}")
+    tma_a = make_tma_2d_desc(a, rows, m, 64, BLOCK_K)
+    tma_b = make_tma_2d_desc(b, rows, n, 64, BLOCK_K)
+    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr()], [m, n, rows, num_groups])
+    num_tiles = num_groups * ((m + BLOCK_M - 1) // BLOCK_M) * ((n + config.block_n - 1) // config.block_n)
+    num_sms = min(get_num_sms(device.index), num_tiles)
+    get_kernel(config, d.dtype, accumulate).launch(params, num_sms, device.index)

@@ -1,0 +1,119 @@
+"""M-grouped bf16 GEMMs (MoE forward and data gradients), contiguous layout, ragged groups."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..jit.tma import make_tma_2d_desc
+from ..jit.runtime import pack_params
+from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms, print_configs_enabled
+from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config
+
+_BLOCK_NS = (128, 256)
+
+
+def _staging_bytes(block_n: int) -> int:
+    # Mirrors epilogue::StagedBF16: two warpgroups x 64 rows x (<=128 columns + 16-byte pad).
+    return 2 * 64 * (min(block_n, 128) * 2 + 16)
+
+
+def get_config(n: int, block_n: Optional[int] = None) -> GemmConfig:
+    """The variant the launcher picks for output width `n` (or the forced `block_n`)."""
+    if block_n is None:
+        block_n = 256 if n > 128 else 128
+    if block_n not in _BLOCK_NS:
+        raise ValueError(f"block_n must be one of {_BLOCK_NS}")
+    return make_config(block_n, _staging_bytes(block_n))
+
+
+def all_configs() -> list[GemmConfig]:
+    return [get_config(0, block_n) for block_n in _BLOCK_NS]
+
+
+def get_kernel(config: GemmConfig, b_mn_major: bool):
+    major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
+    return build_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
+                        [config.block_n, config.num_stages, major], config.smem_bytes)
+
+
+_printed: set = set()
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
+            block_n: Optional[int]) -> None:
+    layout = "nn" if b_mn_major else "nt"
+    check_tensor("a", a, torch.bfloat16, 2)
+    check_tensor("b", b, torch.bfloat16, 3)
+    check_tensor("d", d, torch.bfloat16, 2)
+    num_groups = check_group_offsets(group_offsets)
+    m, k = a.shape
+    if b_mn_major:
+        g, k_b, n = b.shape
+        check_multiple("K (nn layout: groups of B are stacked along K)", k, BLOCK_K)
+    else:
+        g, n, k_b = b.shape
+    if g != num_groups:
+        raise ValueError(f"b has {g} groups but group_offsets describes {num_groups}")
+    if k_b != k:
+        raise ValueError(f"contraction sizes differ: a has K = {k}, b has K = {k_b}")
+    if tuple(d.shape) != (m, n):
+        raise ValueError(f"d must have shape {(m, n)}, got {tuple(d.shape)}")
+    check_multiple("K", k, 8)
+    check_multiple("N", n, 8)
+    if max(m, n, k) >= 2**31 or g * max(n, k) >= 2**31:
+        raise ValueError("dimensions must stay below 2**31")
+    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
+    if m == 0 or n == 0 or num_groups == 0:
+        return
+    if k == 0:
+        raise ValueError("K must be positive")
+
+    config = get_config(n, block_n)
+    if print_configs_enabled() and (layout, m, n, k, g) not in _printed:
+        _printed.add((layout, m, n, k, g))
+        print(f"[deep_gemm] m_grouped_bf16_gemm_{layout}: M={m} N={n} K={k} G={g} -> {config}")
+    tma_a = make_tma_2d_desc(a, m, k, 64, BLOCK_M)
+    if b_mn_major:
+        tma_b = make_tma_2d_desc(b, g * k, n, 64, BLOCK_K)
+    else:
+        tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n)
+    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr()], [m, n, k, num_groups])
+    num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
+    num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
+    get_kernel(config, b_mn_major).launch(params, num_sms, device.index)
+
+
+def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      group_offsets: torch.Tensor, *, block_n: Optional[int] = None) -> None:
+    """Grouped ``D[rows of g] = A[rows of g] @ B[g].T`` (MoE forward), in place into `d`.
+
+    Args:
+        a: ``[M, K]`` bf16, row-major; groups of rows back to back.
+        b: ``[G, N, K]`` bf16, row-major (each group's matrix is K-major, like nn.Linear weights).
+        d: ``[M, N]`` bf16 output. Only rows inside a group are written.
+        group_offsets: ``[G + 1]`` int32 on the GPU: group g owns rows
+            ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, M]``;
+            sizes are arbitrary (zero, not multiples of any tile). Read on the GPU: no host sync.
+        block_n: force a tile width (128 or 256); the default picks by N.
+
+    Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
+    """
+    _launch(a, b, d, group_offsets, False, block_n)
+
+
+def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      group_offsets: torch.Tensor, *, block_n: Optional[int] = None) -> None:
+    """Grouped ``D[rows of g] = A[rows of g] @ B[g]`` (MoE data gradient), in place into `d`.
+
+    Args:
+        a: ``[M, K]`` bf16, row-major; groups of rows back to back.
+        b: ``[G, K, N]`` bf16, row-major (e.g. the forward's ``[G, N_fwd, K_fwd]`` weights,
+            whose transpose is applied without a copy).
+        d: ``[M, N]`` bf16 output. Only rows inside a group are written.
+        group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
+        block_n: force a tile width (128 or 256); the default picks by N.
+
+    Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
+    """
+    _launch(a, b, d, group_offsets, True, block_n)

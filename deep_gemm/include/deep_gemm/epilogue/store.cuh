@@ -1,0 +1,91 @@
+#pragma once
+// Epilogues: move a math warpgroup's 64 x BLOCK_N fp32 accumulators to global memory.
+// Accumulator layout: see mma/wgmma_bf16.cuh.
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <type_traits>
+#include "../ptx/utils.cuh"
+
+namespace deep_gemm::epilogue {
+
+// Bytes of shared memory one warpgroup needs for `store_bf16_staged`.
+template <uint32_t BLOCK_N>
+struct StagedBF16 {
+    static constexpr uint32_t kChunkN = BLOCK_N < 128 ? BLOCK_N : 128;
+    // A 16-byte pad per row spreads the 8 rows a warp writes at once over all 32 banks.
+    static constexpr uint32_t kRowBytes = kChunkN * 2 + 16;
+    static constexpr uint32_t kBytesPerWarpgroup = 64 * kRowBytes;
+    static_assert(BLOCK_N % kChunkN == 0);
+};
+
+// bf16 output through shared memory, so global stores are full 16-byte, row-contiguous
+// writes; only the first `num_rows` rows and columns below `n` are written (ragged groups).
+// `barrier_id` names a barrier private to this warpgroup.
+template <uint32_t BLOCK_N>
+__device__ __forceinline__ void store_bf16_staged(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
+                                                  uint32_t barrier_id, __nv_bfloat16* d, uint32_t ld_d,
+                                                  uint32_t num_rows, uint32_t num_cols) {
+    using Layout = StagedBF16<BLOCK_N>;
+    constexpr uint32_t kChunkN = Layout::kChunkN, kRowBytes = Layout::kRowBytes;
+    constexpr uint32_t kPiecesPerRow = kChunkN * 2 / 16;
+    const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
+    const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+
+    #pragma unroll
+    for (uint32_t chunk = 0; chunk < BLOCK_N / kChunkN; ++chunk) {
+        #pragma unroll
+        for (uint32_t j = 0; j < kChunkN / 8; ++j) {
+            const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
+            uint8_t* ptr = staging + row * kRowBytes + (j * 8 + col) * 2;
+            ptx::st_shared_u32(ptr, ptx::pack_bf16x2(acc[i], acc[i + 1]));
+            ptx::st_shared_u32(ptr + 8 * kRowBytes, ptx::pack_bf16x2(acc[i + 2], acc[i + 3]));
+        }
+        ptx::named_barrier_sync(barrier_id, 128);
+
+        #pragma unroll
+        for (uint32_t i = 0; i < 64 * kPiecesPerRow / 128; ++i) {
+            const uint32_t idx = i * 128 + thread;
+            const uint32_t r = idx / kPiecesPerRow, c = chunk * kChunkN + (idx % kPiecesPerRow) * 8;
+            const uint4 v = ptx::ld_shared_v4(staging + r * kRowBytes + (idx % kPiecesPerRow) * 16);
+            if (r < num_rows and c < num_cols)
+                *reinterpret_cast<uint4*>(d + static_cast<uint64_t>(r) * ld_d + c) = v;
+        }
+        ptx::named_barrier_sync(barrier_id, 128);
+    }
+}
+
+// Direct register-to-global stores: fp32 pairs fill whole 32-byte sectors; bf16 pairs half.
+// With `kAccumulate`, D += acc (read-modify-write; each element is owned by one thread).
+template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
+__device__ __forceinline__ void store_direct(const float (&acc)[BLOCK_N / 2], OutT* d, uint32_t ld_d,
+                                             uint32_t num_rows, uint32_t num_cols) {
+    const uint32_t lane = ptx::lane_idx();
+    const uint32_t row = ((threadIdx.x % 128) / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+    #pragma unroll
+    for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
+        const uint32_t c = j * 8 + col;
+        #pragma unroll
+        for (uint32_t half = 0; half < 2; ++half) {
+            const uint32_t r = row + half * 8;
+            if (r >= num_rows or c >= num_cols)
+                continue;
+            float x = acc[j * 4 + half * 2], y = acc[j * 4 + half * 2 + 1];
+            OutT* ptr = d + static_cast<uint64_t>(r) * ld_d + c;
+            if constexpr (std::is_same_v<OutT, float>) {
+                if constexpr (kAccumulate) {
+                    const float2 old = *reinterpret_cast<const float2*>(ptr);
+                    x += old.x, y += old.y;
+                }
+                *reinterpret_cast<float2*>(ptr) = make_float2(x, y);
+            } else {
+                if constexpr (kAccumulate) {
+                    const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ptr));
+                    x += old.x, y += old.y;
+                }
+                *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(x, y);
+            }
+        }
+    }
+}
+
+}  // namespace deep_gemm::epilogue

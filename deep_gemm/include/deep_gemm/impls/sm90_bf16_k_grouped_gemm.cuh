@@ -1,0 +1,102 @@
+#pragma once
+// K-grouped bf16 GEMM on Hopper (weight gradients): D[g] = A[rows of g].T @ B[rows of g],
+// A [rows, M] and B [rows, N] with groups of rows back to back and arbitrary sizes (read on
+// the GPU from `group_offsets`); D [G, M, N] in fp32 or bf16, optionally accumulated into.
+// Both operands are MN-major. Persistent and warp-specialised like the M-grouped kernel.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include "../epilogue/store.cuh"
+#include "../mma/pipeline.cuh"
+#include "../ptx/tma.cuh"
+#include "../scheduler/grouped.cuh"
+
+namespace deep_gemm {
+
+struct KGroupedGemmParams {
+    CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows}
+    CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows}
+    void* d;                   // [G, M, N], OutT
+    const int* group_offsets;  // [G + 1]
+    uint32_t m, n, rows, num_groups;
+};
+
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate>
+__device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
+    using namespace mma;
+    constexpr uint32_t BLOCK_M = 128;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 0>;
+    using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
+
+    extern __shared__ __align__(1024) uint8_t smem_buffer[];
+    const Smem smem{smem_buffer};
+
+    if (threadIdx.x == kNumMathThreads) {
+        ptx::prefetch_tma_descriptor(&p.tensor_map_a);
+        ptx::prefetch_tma_descriptor(&p.tensor_map_b);
+    }
+    if (threadIdx.x == 0)
+        smem.init_barriers();
+    __syncthreads();
+
+    Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
+    typename Scheduler::Tile tile;
+    PipelineState pipe;
+
+    if (threadIdx.x >= kNumMathThreads) {
+        ptx::warpgroup_reg_dealloc<kProducerRegs>();
+        if (threadIdx.x != kNumMathThreads)
+            return;
+        while (scheduler.next(tile)) {
+            const uint32_t num_k_blocks = ptx::ceil_div(tile.k_end - tile.k_begin, BLOCK_K);
+            produce_k_blocks<kNumStages>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                const uint32_t k = tile.k_begin + k_block * BLOCK_K;
+                #pragma unroll
+                for (uint32_t j = 0; j < BLOCK_M / 64; ++j)
+                    ptx::tma_load_2d(smem.a(stage) + j * kMNChunkBytes, &p.tensor_map_a, bar, tile.m_begin + j * 64, k);
+                #pragma unroll
+                for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
+                    ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
+            });
+        }
+    } else {
+        ptx::warpgroup_reg_alloc<kMathRegs>();
+        const uint32_t wg = threadIdx.x / 128;
+        float acc[BLOCK_N / 2];
+        while (scheduler.next(tile)) {
+            const uint32_t num_rows = tile.k_end - tile.k_begin;
+            const uint32_t num_k_blocks = ptx::ceil_div(num_rows, BLOCK_K);
+            if (kAccumulate and num_k_blocks == 0)
+                continue;  // an empty group adds nothing
+
+            // The last block of a group reads past the group's end (into the next group's
+            // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk.
+            const uint32_t valid_in_last = num_rows - (num_k_blocks - 1) * BLOCK_K;
+            const auto zero_tail = [&](uint32_t stage, uint32_t k_block) {
+                if (k_block + 1 != num_k_blocks or valid_in_last == BLOCK_K)
+                    return;
+                constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64;
+                const uint32_t num_bad = BLOCK_K - valid_in_last;
+                for (uint32_t i = threadIdx.x; i < kNumChunks * num_bad * 8; i += kNumMathThreads) {
+                    const uint32_t line = i / 8, chunk = line / num_bad, k_row = valid_in_last + line % num_bad;
+                    uint8_t* tile_base = chunk < BLOCK_M / 64 ? smem.a(stage) + chunk * kMNChunkBytes
+                                                              : smem.b(stage) + (chunk - BLOCK_M / 64) * kMNChunkBytes;
+                    ptx::st_shared_v4(tile_base + k_row * kSwizzleBytes + (i % 8) * 16, make_uint4(0, 0, 0, 0));
+                }
+                ptx::fence_view_async_shared();
+                ptx::named_barrier_sync(1, kNumMathThreads);
+            };
+
+            zero_accum(acc);
+            consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor>(
+                smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail);
+
+            const uint32_t row = tile.m_begin + wg * 64;
+            if (row < p.m) {
+                OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + row) * p.n + tile.n_begin;
+                epilogue::store_direct<BLOCK_N, OutT, kAccumulate>(acc, d, p.n, p.m - row, p.n - tile.n_begin);
+            }
+        }
+    }
+}
+
+}  // namespace deep_gemm

@@ -1,0 +1,83 @@
+#pragma once
+// M-grouped bf16 GEMM on Hopper: D[rows of g] = A[rows of g] @ op(B[g]), groups of rows of A
+// back to back with arbitrary sizes (read on the GPU from `group_offsets`).
+//   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
+//   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
+// Persistent and warp-specialised: one TMA producer thread, two WGMMA math warpgroups.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include "../epilogue/store.cuh"
+#include "../mma/pipeline.cuh"
+#include "../ptx/tma.cuh"
+#include "../scheduler/grouped.cuh"
+
+namespace deep_gemm {
+
+struct MGroupedGemmParams {
+    CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows}
+    CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
+    __nv_bfloat16* d;          // [M, N]
+    const int* group_offsets;  // [G + 1]
+    uint32_t m, n, k, num_groups;
+};
+
+template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB>
+__device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
+    using namespace mma;
+    constexpr uint32_t BLOCK_M = 128;
+    using Staging = epilogue::StagedBF16<BLOCK_N>;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Staging::kBytesPerWarpgroup>;
+    using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
+
+    extern __shared__ __align__(1024) uint8_t smem_buffer[];
+    const Smem smem{smem_buffer};
+    const uint32_t num_k_blocks = ptx::ceil_div(p.k, BLOCK_K);
+
+    if (threadIdx.x == kNumMathThreads) {
+        ptx::prefetch_tma_descriptor(&p.tensor_map_a);
+        ptx::prefetch_tma_descriptor(&p.tensor_map_b);
+    }
+    if (threadIdx.x == 0)
+        smem.init_barriers();
+    __syncthreads();
+
+    Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n);
+    typename Scheduler::Tile tile;
+    PipelineState pipe;
+
+    if (threadIdx.x >= kNumMathThreads) {
+        ptx::warpgroup_reg_dealloc<kProducerRegs>();
+        if (threadIdx.x != kNumMathThreads)
+            return;
+        while (scheduler.next(tile)) {
+            produce_k_blocks<kNumStages>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                const uint32_t k = k_block * BLOCK_K;
+                ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.row_begin);
+                if constexpr (kMajorB == Major::kKMajor) {
+                    ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.group * p.n + tile.n_begin);
+                } else {
+                    #pragma unroll
+                    for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
+                        ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar,
+                                         tile.n_begin + j * 64, tile.group * p.k + k);
+                }
+            });
+        }
+    } else {
+        ptx::warpgroup_reg_alloc<kMathRegs>();
+        const uint32_t wg = threadIdx.x / 128;
+        uint8_t* staging = smem.extra() + wg * Staging::kBytesPerWarpgroup;
+        float acc[BLOCK_N / 2];
+        while (scheduler.next(tile)) {
+            zero_accum(acc);
+            consume_k_blocks<BLOCK_N, kNumStages, Major::kKMajor, kMajorB>(
+                smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {});
+            const uint32_t row = wg * 64;
+            epilogue::store_bf16_staged<BLOCK_N>(
+                acc, staging, 1 + wg, p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin, p.n,
+                tile.num_rows > row ? tile.num_rows - row : 0, p.n - tile.n_begin);
+        }
+    }
+}
+
+}  // namespace deep_gemm

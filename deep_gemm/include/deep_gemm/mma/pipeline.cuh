@@ -1,0 +1,117 @@
+#pragma once
+// The warp-specialised GEMM pipeline shared by every Hopper kernel here: shared-memory
+// stages filled by one TMA thread and drained by WGMMA warpgroups, handshaking on mbarriers.
+#include <cstdint>
+#include "../ptx/barrier.cuh"
+#include "../ptx/utils.cuh"
+#include "wgmma.cuh"
+
+namespace deep_gemm::mma {
+
+constexpr uint32_t BLOCK_K = 64;  // one 128-byte swizzle row of bf16
+constexpr uint32_t kNumMathThreads = 256;  // two math warpgroups, 64 rows of the tile each
+constexpr uint32_t kNumThreads = kNumMathThreads + 128;  // + one producer warpgroup
+constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;  // 40*128 + 232*256 <= 64K registers
+
+struct PipelineState {
+    uint32_t stage = 0, phase = 0;
+
+    template <uint32_t kNumStages>
+    __device__ __forceinline__ void advance() {
+        if (++stage == kNumStages)
+            stage = 0, phase ^= 1;
+    }
+};
+
+// Dynamic shared memory: A stages, B stages, `kExtraBytes` for the epilogue, then barriers.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kExtraBytes>
+struct GemmSmem {
+    static constexpr uint32_t kBytesA = BLOCK_M * BLOCK_K * 2;
+    static constexpr uint32_t kBytesB = BLOCK_N * BLOCK_K * 2;
+    static constexpr uint32_t kBytesPerStage = kBytesA + kBytesB;
+    static constexpr uint32_t kOffsetExtra = kNumStages * kBytesPerStage;
+    static constexpr uint32_t kOffsetBarriers = kOffsetExtra + kExtraBytes;
+    static constexpr uint32_t kTotalBytes = kOffsetBarriers + 2 * kNumStages * sizeof(ptx::MBarrier);
+    static_assert(kBytesA % 1024 == 0 and kBytesB % 1024 == 0, "swizzle atoms need 1024-byte alignment");
+    static_assert(kExtraBytes % 16 == 0);
+
+    uint8_t* base;
+
+    __device__ __forceinline__ uint8_t* a(uint32_t stage) const { return base + stage * kBytesA; }
+    __device__ __forceinline__ uint8_t* b(uint32_t stage) const { return base + kNumStages * kBytesA + stage * kBytesB; }
+    __device__ __forceinline__ uint8_t* extra() const { return base + kOffsetExtra; }
+    __device__ __forceinline__ ptx::MBarrier* full(uint32_t stage) const {
+        return reinterpret_cast<ptx::MBarrier*>(base + kOffsetBarriers) + stage;
+    }
+    __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return full(kNumStages + stage); }
+
+    // Thread 0 only: full barriers complete on the TMA bytes, empty ones on both math warpgroups.
+    __device__ __forceinline__ void init_barriers() const {
+        #pragma unroll
+        for (uint32_t s = 0; s < kNumStages; ++s) {
+            full(s)->init(1);
+            empty(s)->init(kNumMathThreads / 128);
+        }
+        ptx::fence_barrier_init();
+    }
+};
+
+// One math warpgroup's mainloop over `num_k_blocks` stages into `acc` (64 x BLOCK_N).
+// `a_offset` selects the warpgroup's 64 rows inside the A tile. `before_mma(stage, k_block)`
+// runs after the stage has landed and before any MMA reads it. The MMAs of block k stay in
+// flight while block k+1 is issued; a stage is released once the MMAs reading it are done.
+template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, typename Smem, typename BeforeMMA>
+__device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
+                                                 uint32_t a_offset, float (&acc)[BLOCK_N / 2],
+                                                 const BeforeMMA& before_mma) {
+    const bool releases = ptx::lane_idx() == 0 and ptx::warp_idx() % 4 == 0;
+    uint32_t prev_stage = 0;
+    for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+        smem.full(pipe.stage)->wait(pipe.phase);
+        before_mma(pipe.stage, k_block);
+
+        const uint8_t* a_tile = smem.a(pipe.stage) + a_offset;
+        const uint8_t* b_tile = smem.b(pipe.stage);
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        #pragma unroll
+        for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
+            WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
+                make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
+        }
+        warpgroup_commit_batch();
+        warpgroup_fence_operand(acc);
+
+        warpgroup_wait<1>();
+        if (k_block > 0 and releases)
+            smem.empty(prev_stage)->arrive();
+        prev_stage = pipe.stage;
+        pipe.template advance<kNumStages>();
+    }
+    warpgroup_wait<0>();
+    if (num_k_blocks > 0 and releases)
+        smem.empty(prev_stage)->arrive();
+}
+
+// The producer thread's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`
+// starts the TMA copies that fill it and complete on `bar`.
+template <uint32_t kNumStages, typename Smem, typename IssueLoads>
+__device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
+                                                 const IssueLoads& issue_loads) {
+    for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+        smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
+        ptx::MBarrier* bar = smem.full(pipe.stage);
+        bar->arrive_and_expect_tx(Smem::kBytesPerStage);
+        issue_loads(pipe.stage, k_block, bar);
+        pipe.template advance<kNumStages>();
+    }
+}
+
+template <uint32_t kNum>
+__device__ __forceinline__ void zero_accum(float (&acc)[kNum]) {
+    #pragma unroll
+    for (uint32_t i = 0; i < kNum; ++i)
+        acc[i] = 0.0f;
+}
+
+}  // namespace deep_gemm::mma

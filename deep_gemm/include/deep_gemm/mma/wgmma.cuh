@@ -1,0 +1,69 @@
+#pragma once
+// Warpgroup MMA plumbing: shared-memory matrix descriptors and the async-group fences.
+#include <cstdint>
+#include "../ptx/utils.cuh"
+#include "wgmma_bf16.cuh"
+
+namespace deep_gemm::mma {
+
+// Operand tiles live in shared memory in the 128-byte-swizzled layout TMA writes
+// (`CU_TENSOR_MAP_SWIZZLE_128B`, 64 bf16 = 128 bytes along the box's inner dimension).
+constexpr uint32_t kSwizzleBytes = 128;
+constexpr uint32_t kSwizzleElems = kSwizzleBytes / 2;  // bf16
+
+// How a tile's contraction (K) dimension is laid out.
+//   kKMajor:  rows of MN, each row 64 K-elements (128 B); 8-row groups 1024 B apart.
+//   kMNMajor: 64-wide MN chunks of [64 K rows][64 MN]: each K row is 128 B of MN elements;
+//             chunks are `kMNChunkBytes` apart, 8-row K groups 1024 B apart.
+enum class Major { kKMajor, kMNMajor };
+
+constexpr uint32_t kMNChunkBytes = 64 * kSwizzleBytes;  // one TMA box of 64 (MN) x 64 (K)
+
+// Builds a wgmma shared-memory descriptor (PTX ISA "matrix descriptor format").
+__device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t leading_byte_offset,
+                                                   uint32_t stride_byte_offset) {
+    const uint64_t addr = ptx::smem_addr(ptr);
+    uint64_t desc = 0;
+    desc |= (addr & 0x3FFFF) >> 4;                                  // start address, bits 0-13
+    desc |= static_cast<uint64_t>((leading_byte_offset & 0x3FFFF) >> 4) << 16;
+    desc |= static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
+    desc |= static_cast<uint64_t>(1) << 62;                         // 128-byte swizzle
+    return desc;
+}
+
+// Descriptor of the k16 slice `k` of a tile whose swizzle atoms start at `tile`.
+template <Major kMajor>
+__device__ __forceinline__ uint64_t make_operand_desc(const void* tile, uint32_t k) {
+    const auto* base = static_cast<const uint8_t*>(tile);
+    if constexpr (kMajor == Major::kKMajor) {
+        // Inside a 128-byte swizzle row, k16 slices sit 32 bytes apart; the hardware applies the
+        // XOR pattern on the final address, so a plain offset is right.
+        return make_smem_desc(base + k * 32, 0, 1024);
+    } else {
+        // k16 = two 8-row groups; successive 64-wide MN chunks are kMNChunkBytes apart.
+        return make_smem_desc(base + k * 16 * kSwizzleBytes, kMNChunkBytes, 1024);
+    }
+}
+
+__device__ __forceinline__ void warpgroup_arrive() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void warpgroup_commit_batch() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void warpgroup_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across async wgmma boundaries.
+template <uint32_t kNum>
+__device__ __forceinline__ void warpgroup_fence_operand(float (&d)[kNum]) {
+    #pragma unroll
+    for (uint32_t i = 0; i < kNum; ++i)
+        asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+}  // namespace deep_gemm::mma

@@ -1,0 +1,69 @@
+#pragma once
+// Small PTX wrappers shared by every kernel: lane/warp ids, register budgets, fences.
+#include <cstdint>
+
+namespace deep_gemm::ptx {
+
+__device__ __forceinline__ uint32_t lane_idx() {
+    uint32_t lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    return lane;
+}
+
+// Warp index that the compiler knows is uniform across the warp.
+__device__ __forceinline__ uint32_t warp_idx() {
+    return __shfl_sync(0xffffffff, threadIdx.x / 32, 0);
+}
+
+// Register re-balancing between warpgroups (sm_90a). Needs a register cap at kernel entry,
+// i.e. `__launch_bounds__(threads, 1)`.
+template <uint32_t kRegs>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+
+// Generic-proxy writes to shared memory become visible to the async proxy (TMA, WGMMA).
+__device__ __forceinline__ void fence_view_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Named barrier over `num_threads` threads (a multiple of 32); id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(num_threads) : "memory");
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
+    asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(smem_addr(ptr)), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_addr(ptr)));
+    return v;
+}
+
+__device__ __forceinline__ void st_shared_v4(void* ptr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(smem_addr(ptr)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t out;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
+
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+}  // namespace deep_gemm::ptx

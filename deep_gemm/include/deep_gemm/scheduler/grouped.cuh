@@ -1,0 +1,97 @@
+#pragma once
+// Persistent tile schedulers for grouped GEMMs. Every CTA walks tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ...; the producer warp and the math warpgroups each run their own
+// copy and see the same sequence. Group boundaries are read on the GPU (no host sync) and
+// clamped to the tensor, so malformed offsets can never touch memory out of range.
+#include <cstdint>
+#include "../ptx/utils.cuh"
+
+namespace deep_gemm::scheduler {
+
+__device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
+    const int v = __ldg(offsets + i);
+    return min(max(static_cast<uint32_t>(max(v, 0)), lo), hi);
+}
+
+// Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
+// Tiles are ordered by group, then M block, then N block, so CTAs running at the same time
+// share their A rows and the group's B in L2.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N>
+struct MGroupedScheduler {
+    struct Tile {
+        uint32_t group, row_begin, num_rows, n_begin;
+    };
+
+    const int* offsets;
+    uint32_t num_groups, num_n_blocks, num_rows_total;
+    uint32_t next_tile, group = 0, group_tile_begin = 0;
+    uint32_t group_row_begin = 0, group_row_end = 0, group_num_tiles = 0;
+
+    __device__ __forceinline__ MGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t m, uint32_t n)
+        : offsets(offsets), num_groups(num_groups), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
+          num_rows_total(m), next_tile(blockIdx.x) {
+        load_group();
+    }
+
+    __device__ __forceinline__ void load_group() {
+        if (group >= num_groups)
+            return;
+        group_row_begin = clamped_offset(offsets, group, 0, num_rows_total);
+        group_row_end = clamped_offset(offsets, group + 1, group_row_begin, num_rows_total);
+        group_num_tiles = ptx::ceil_div(group_row_end - group_row_begin, BLOCK_M) * num_n_blocks;
+    }
+
+    __device__ __forceinline__ bool next(Tile& tile) {
+        const uint32_t idx = next_tile;
+        next_tile += gridDim.x;
+        while (group < num_groups and idx >= group_tile_begin + group_num_tiles) {
+            group_tile_begin += group_num_tiles;
+            ++group;
+            load_group();
+        }
+        if (group >= num_groups)
+            return false;
+        const uint32_t local = idx - group_tile_begin;
+        tile.group = group;
+        tile.row_begin = group_row_begin + (local / num_n_blocks) * BLOCK_M;
+        tile.num_rows = min(BLOCK_M, group_row_end - tile.row_begin);
+        tile.n_begin = (local % num_n_blocks) * BLOCK_N;
+        return true;
+    }
+};
+
+// Weight-gradient style: every group produces a full M x N output, contracting over its own
+// rows [offsets[g], offsets[g+1]) of A and B. Tiles are ordered by group so that CTAs running
+// at the same time read the same rows.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N>
+struct KGroupedScheduler {
+    struct Tile {
+        uint32_t group, m_begin, n_begin, k_begin, k_end;
+    };
+
+    const int* offsets;
+    uint32_t num_groups, num_n_blocks, num_tiles_per_group, num_rows_total;
+    uint32_t next_tile;
+
+    __device__ __forceinline__ KGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t m, uint32_t n,
+                                                 uint32_t rows)
+        : offsets(offsets), num_groups(num_groups), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
+          num_tiles_per_group(ptx::ceil_div(m, BLOCK_M) * ptx::ceil_div(n, BLOCK_N)),
+          num_rows_total(rows), next_tile(blockIdx.x) {}
+
+    __device__ __forceinline__ bool next(Tile& tile) {
+        const uint32_t idx = next_tile;
+        next_tile += gridDim.x;
+        if (idx >= num_groups * num_tiles_per_group)
+            return false;
+        tile.group = idx / num_tiles_per_group;
+        const uint32_t local = idx % num_tiles_per_group;
+        tile.m_begin = (local / num_n_blocks) * BLOCK_M;
+        tile.n_begin = (local % num_n_blocks) * BLOCK_N;
+        tile.k_begin = clamped_offset(offsets, tile.group, 0, num_rows_total);
+        tile.k_end = clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
+        return true;
+    }
+};
+
+}  // namespace deep_gemm::scheduler

@@ -1,0 +1,104 @@
+"""Loading cubins and launching them on PyTorch's current stream through the driver API.
+
+Every kernel here takes one argument: a `__grid_constant__` parameter struct whose bytes the
+launcher packs (`pack_params`). Tensor maps inside it stay in kernel-parameter space, which is
+where TMA wants them.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Sequence
+
+import torch
+from cuda.bindings import driver as cu
+
+from .compiler import compile_cubin
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+def check(result):
+    """Unwraps a cuda.bindings return tuple, raising on an error code."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise DriverError(f"{err.name}: {msg.decode() if msg else ''}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_initialized = False
+
+
+def _ensure_context(device: int) -> None:
+    """Makes the device's primary context (the one PyTorch uses) current on this thread."""
+    global _initialized
+    if not _initialized:
+        check(cu.cuInit(0))
+        _initialized = True
+    torch.cuda.init()
+    ctx = check(cu.cuCtxGetCurrent())
+    if ctx is None or int(ctx) == 0:
+        dev = check(cu.cuDeviceGet(device))
+        check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(dev))))
+
+
+class Kernel:
+    """A compiled kernel (entry `kernel`), loaded once per device on first launch."""
+
+    def __init__(self, name: str, source: str, num_threads: int, smem_bytes: int):
+        self.name = name
+        self.num_threads = num_threads
+        self.smem_bytes = smem_bytes
+        self.cubin = compile_cubin(name, source)
+        self._functions: dict[int, object] = {}
+        self._configs: dict[tuple[int, int], cu.CUlaunchConfig] = {}
+
+    def _function(self, device: int):
+        fn = self._functions.get(device)
+        if fn is None:
+            _ensure_context(device)
+            module = check(cu.cuModuleLoadData(self.cubin.read_bytes()))
+            fn = check(cu.cuModuleGetFunction(module, b"kernel"))
+            check(cu.cuFuncSetAttribute(
+                fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes))
+            self._functions[device] = fn
+        return fn
+
+    def launch(self, params: bytes, num_blocks: int, device: int) -> None:
+        """Launches `num_blocks` CTAs on the current stream of `device` with `params`."""
+        fn = self._function(device)
+        config = self._configs.get((device, num_blocks))
+        if config is None:
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = num_blocks, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
+            config.sharedMemBytes = self.smem_bytes
+            config.numAttrs = 0
+            self._configs[(device, num_blocks)] = config
+        config.hStream = torch.cuda.current_stream(device).cuda_stream
+        buffer = ctypes.create_string_buffer(params, len(params))
+        arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(arg_ptrs), 0))
+
+
+_kernels: dict[tuple[str, str], Kernel] = {}
+
+
+def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int) -> Kernel:
+    """The kernel for `source`, compiled (or read from the disk cache) once per process."""
+    key = (name, source)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = _kernels[key] = Kernel(name, source, num_threads, smem_bytes)
+    return kernel
+
+
+def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:
+    """Packs a C struct {CUtensorMap maps[]; void* ptrs[]; uint32_t ints[];} (64-byte aligned)."""
+    data = b"".join(tensor_maps) + struct.pack(f"<{len(pointers)}Q{len(ints)}I", *pointers, *ints)
+    return data + b"\0" * (-len(data) % 64)

@@ -1,0 +1,37 @@
+"""Host-side TMA descriptors (`CUtensorMap`) for 2-D bf16 tensors with 128-byte swizzle."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from cuda.bindings import driver as cu
+
+from .runtime import check
+
+_DTYPES = {
+    torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode(dtype: torch.dtype, address: int, inner: int, outer: int, outer_stride_bytes: int,
+            box_inner: int, box_outer: int) -> bytes:
+    tensor_map = check(cu.cuTensorMapEncodeTiled(
+        _DTYPES[dtype], 2, address, [inner, outer], [outer_stride_bytes], [box_inner, box_outer], [1, 1],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return ctypes.string_at(tensor_map.getPtr(), 128)
+
+
+def make_tma_2d_desc(t: torch.Tensor, rows: int, cols: int, box_cols: int, box_rows: int) -> bytes:
+    """The 128-byte CUtensorMap of `t` seen as a row-major [rows, cols] matrix.
+
+    `box_cols` (the contiguous dimension) must be 64 for bf16 (one 128-byte swizzle row);
+    elements outside the matrix read as zero. Encodings are cached: a descriptor depends only
+    on these arguments, so re-encoding the same buffer in the next step costs a dict lookup.
+    """
+    assert box_cols * t.element_size() == 128
+    return _encode(t.dtype, t.data_ptr(), cols, rows, cols * t.element_size(), box_cols, box_rows)

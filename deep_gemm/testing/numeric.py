@@ -1,0 +1,21 @@
+import torch
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius), computed in float64 on ``ref``'s device.
+
+    Returns ``inf`` if ``out`` holds any NaN/Inf (so NaN never passes a bar), and
+    ``||out||`` when ``||ref|| == 0``. Raises if shapes differ or ``ref`` is not finite.
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    ref64 = ref.detach().to(torch.float64)
+    if not bool(torch.isfinite(ref64).all()):
+        raise ValueError("reference holds NaN/Inf")
+    out64 = out.detach().to(device=ref.device, dtype=torch.float64)
+    if not bool(torch.isfinite(out64).all()):
+        return float("inf")
+    ref_norm = torch.linalg.vector_norm(ref64).item()
+    if ref_norm == 0.0:
+        return torch.linalg.vector_norm(out64).item()
+    return torch.linalg.vector_norm(out64 - ref64).item() / ref_norm

@@ -1,0 +1,73 @@
+"""Device properties and input checks shared by every launcher."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+_num_sms: Optional[int] = None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_num_sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def set_num_sms(num_sms: int) -> None:
+    """Caps the number of SMs (persistent CTAs) the kernels use, e.g. to leave SMs to communication."""
+    if num_sms <= 0:
+        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    global _num_sms
+    _num_sms = num_sms
+
+
+def get_num_sms(device: Optional[int] = None) -> int:
+    """SMs the kernels use: the device's count, or the cap from `set_num_sms` if lower."""
+    total = _device_num_sms(torch.cuda.current_device() if device is None else device)
+    return total if _num_sms is None else min(_num_sms, total)
+
+
+def print_configs_enabled() -> bool:
+    return os.environ.get("DG_PRINT_CONFIGS", "0") not in ("", "0")
+
+
+def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> None:
+    """Raises TypeError/ValueError unless `t` is a contiguous, 16-byte aligned tensor of
+    `dtype` and rank `ndim`. Devices are checked separately (`check_cuda_devices`), last."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major)")
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be 16-byte aligned")
+
+
+def check_cuda_devices(**tensors: torch.Tensor) -> torch.device:
+    """Raises ValueError unless all tensors are on one CUDA device; returns it."""
+    devices = {name: t.device for name, t in tensors.items()}
+    for name, device in devices.items():
+        if device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {device}")
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    return next(iter(devices.values()))
+
+
+def check_multiple(name: str, value: int, multiple: int) -> None:
+    if value % multiple != 0:
+        raise ValueError(f"{name} = {value} must be a multiple of {multiple}")
+
+
+def check_group_offsets(group_offsets: torch.Tensor) -> int:
+    """Checks the int32 [G + 1] offsets tensor; returns G. Values stay on the GPU (no sync)."""
+    check_tensor("group_offsets", group_offsets, torch.int32, 1)
+    if group_offsets.numel() < 1:
+        raise ValueError("group_offsets must have G + 1 >= 1 entries")
+    return group_offsets.numel() - 1

@@ -1,0 +1,142 @@
+"""Grouped GEMMs of the standard MoE shapes: ours vs torch._grouped_mm, measured in one run.
+
+For each model (DESIGN.md's standard shapes) and routing (uniform, skewed), the six grouped
+GEMMs of one MoE layer's training step:
+    fwd1   x @ l1[e].T        m-grouped nt   N = 2I, K = H
+    fwd2   a @ l2[e].T        m-grouped nt   N = H,  K = I
+    dgrad1 dz @ l1[e]         m-grouped nn   N = H,  K = 2I
+    dgrad2 dy @ l2[e]         m-grouped nn   N = I,  K = H
+    wgrad1 dz.T @ x           k-grouped tn   [E, 2I, H]
+    wgrad2 dy.T @ a           k-grouped tn   [E, H, I]
+Both sides write bf16 (fp32 weight-gradient output is timed separately, "wgrad fp32").
+Times are medians of CUDA-event timings with the L2 flushed before each run.
+
+    python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
+
+MODELS = {  # name: (H, I, E, top-k, tokens)
+    "30b": (2048, 768, 128, 8, 16384),
+    "235b": (4096, 1536, 128, 8, 16384),
+    "v3": (7168, 2048, 256, 8, 8192),
+}
+
+
+def gemm_cases(hidden: int, inter: int):
+    """(label, kind, N, K) for m-grouped and (label, kind, M, N) for k-grouped."""
+    return [
+        ("fwd1", "nt", 2 * inter, hidden),
+        ("fwd2", "nt", hidden, inter),
+        ("dgrad1", "nn", hidden, 2 * inter),
+        ("dgrad2", "nn", inter, hidden),
+        ("wgrad1", "tn", 2 * inter, hidden),
+        ("wgrad2", "tn", hidden, inter),
+    ]
+
+
+def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
+    """Returns (ours_ms, torch_ms, rel_err_ours_vs_torch, flops)."""
+    rows, num_groups = sum(sizes), len(sizes)
+    offsets = offsets_from_sizes(sizes)
+    ends = offsets[1:].contiguous()
+    if kind in ("nt", "nn"):
+        n, k = d1, d2
+        a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(num_groups, *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
+        d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if kind == "nt" else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+        ours = lambda: fn(a, b, d, offsets, block_n=block_n)  # noqa: E731
+        b_torch = b.transpose(1, 2) if kind == "nt" else b
+        theirs = lambda: torch._grouped_mm(a, b_torch, offs=ends)  # noqa: E731
+        flops = 2 * rows * n * k
+    else:
+        m, n = d1, d2
+        a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        d = torch.empty(num_groups, m, n, device="cuda", dtype=out_dtype)
+        ours = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)  # noqa: E731
+        a_t = a.t()
+        theirs = lambda: torch._grouped_mm(a_t, b, offs=ends)  # noqa: E731
+        flops = 2 * rows * m * n
+    ours()
+    ref = theirs()
+    err = relative_error(d, ref) if ref.shape == d.shape else float("nan")
+    return bench_ms(ours), bench_ms(theirs), err, flops
+
+
+def launch_overhead_us() -> tuple[float, float]:
+    """Host time per call of a tiny cached GEMM, ours and torch._grouped_mm."""
+    a = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 128, 128, device="cuda", dtype=torch.bfloat16)
+    d = torch.empty(256, 128, device="cuda", dtype=torch.bfloat16)
+    offsets = offsets_from_sizes([100, 156])
+    ends = offsets[1:].contiguous()
+    results = []
+    for fn in (lambda: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets),
+               lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=ends)):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        results.append(elapsed / 2000 * 1e6)
+    return results[0], results[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="30b,235b,v3")
+    parser.add_argument("--routing", default="uniform,skewed")
+    parser.add_argument("--sweep", action="store_true", help="also time each block_n variant")
+    parser.add_argument("--launch-overhead", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
+              f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
+    if args.sweep:
+        header += "  sweep block_n=128/256 ms"
+    lines = [header]
+    print(header, flush=True)
+    for model in args.models.split(","):
+        hidden, inter, experts, topk, tokens = MODELS[model]
+        for routing in args.routing.split(","):
+            sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
+            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden)]
+            for label, kind, d1, d2 in cases:
+                out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
+                kind = "tn" if kind == "tn32" else kind
+                ours, theirs, err, flops = run_case(kind, d1, d2, sizes, out_dtype=out_dtype)
+                shape = f"{tokens * topk},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
+                line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
+                        f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
+                if args.sweep:
+                    line += "  " + "/".join(f"{run_case(kind, d1, d2, sizes, bn, out_dtype)[0]:.3f}" for bn in (128, 256))
+                lines.append(line)
+                print(line, flush=True)
+    if args.launch_overhead:
+        ours_us, torch_us = launch_overhead_us()
+        lines.append(f"host launch overhead per call: ours {ours_us:.1f} us, torch._grouped_mm {torch_us:.1f} us")
+        print(lines[-1])
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

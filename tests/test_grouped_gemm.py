@@ -1,0 +1,207 @@
+"""Spec of the grouped GEMMs: every output element matches an fp32 matmul of the group.
+
+GPU cases draw fresh random data, poison the output with NaN first, and check that rows
+outside every group stay untouched. Input validation runs anywhere (errors come before any
+launch). `python tests/test_grouped_gemm.py` prints one line per case.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+
+BF16_TOL = 4e-3  # bf16 rounding of the output dominates (~1.5e-3)
+FP32_TOL = 1e-5  # fp32 output: only summation order differs
+
+# (group sizes, N, K): ragged, empty, single-row, one huge group, tails in N and K.
+M_GROUPED_CASES = [
+    ([0, 1, 127, 128, 129, 300, 0, 1000], 256, 512),
+    ([1], 128, 64),
+    ([5000], 384, 2048),
+    ([0, 0, 0], 256, 128),
+    ([37, 0, 500], 136, 72),
+    ("uniform", 1536, 2048),
+    ("skewed", 768, 1024),
+]
+
+K_GROUPED_CASES = [  # (group sizes, M, N)
+    ([0, 1, 63, 64, 65, 300, 0, 1000], 256, 512),
+    ([1], 128, 128),
+    ([7000], 384, 256),
+    ([0, 0], 256, 256),
+    ([37, 0, 500], 136, 264),
+    ("uniform", 1536, 2048),
+    ("skewed", 768, 1024),
+]
+
+
+def _sizes(spec, num_groups: int = 32, total: int = 8192) -> list[int]:
+    return random_group_sizes(total, num_groups, spec) if isinstance(spec, str) else list(spec)
+
+
+def _ref_m_grouped(a, b, sizes, nn: bool):
+    out, start = [], 0
+    for g, s in enumerate(sizes):
+        w = b[g].float() if nn else b[g].float().T
+        out.append(a[start:start + s].float() @ w)
+        start += s
+    return torch.cat(out)
+
+
+def _run_m_grouped(spec, n, k, nn: bool, block_n):
+    sizes = _sizes(spec)
+    m = sum(sizes) + 3  # 3 trailing rows belong to no group: must stay untouched
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(len(sizes), *((k, n) if nn else (n, k)), device="cuda", dtype=torch.bfloat16) / k**0.5
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fn = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if nn else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
+    fn(a, b, d, offsets_from_sizes(sizes), block_n=block_n)
+    torch.cuda.synchronize()
+    rows = sum(sizes)
+    err = relative_error(d[:rows], _ref_m_grouped(a, b, sizes, nn)) if rows else 0.0
+    untouched = bool(torch.isnan(d[rows:]).all())
+    return sizes, err, untouched
+
+
+@requires_sm90
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
+@pytest.mark.parametrize("spec,n,k", M_GROUPED_CASES)
+def test_m_grouped(spec, n, k, nn, block_n):
+    if nn and k % 64:
+        pytest.skip("nn layout needs K % 64 == 0")
+    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, block_n)
+    assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
+    assert untouched, "rows outside every group were written"
+
+
+def _run_k_grouped(spec, m, n, out_dtype, accumulate, block_n):
+    sizes = _sizes(spec)
+    rows = sum(sizes)
+    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    offsets = offsets_from_sizes(sizes)
+    ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+    if accumulate:
+        d = torch.randn(len(sizes), m, n, device="cuda").to(out_dtype)
+        ref += d.float()
+    else:
+        d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, accumulate=accumulate, block_n=block_n)
+    torch.cuda.synchronize()
+    return sizes, relative_error(d, ref)
+
+
+@requires_sm90
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("out_dtype,accumulate", [(torch.float32, False), (torch.float32, True),
+                                                  (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
+def test_k_grouped(spec, m, n, out_dtype, accumulate, block_n):
+    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, block_n)
+    tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
+    assert err < tol, f"sizes={sizes[:8]}... err={err}"
+
+
+@requires_sm90
+def test_deterministic():
+    sizes = random_group_sizes(4096, 16, "skewed")
+    a = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(16, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    offsets = offsets_from_sizes(sizes)
+    outs = []
+    for _ in range(2):
+        d = torch.empty(4096, 512, device="cuda", dtype=torch.bfloat16)
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets)
+        w = torch.empty(16, 1024, 512, device="cuda")
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets)
+        outs.append((d, w))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@requires_sm90
+def test_no_groups_and_no_rows():
+    a = torch.randn(0, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    d = torch.empty(0, 256, device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets_from_sizes([0, 0]))
+    w = torch.full((2, 128, 256), float("nan"), device="cuda")
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, a.new_empty(0, 256), w, offsets_from_sizes([0, 0]))
+    assert torch.count_nonzero(w) == 0
+
+
+# ---- input validation: a clear exception before any launch (runs without a GPU) ----
+
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def _offs(*sizes):
+    return offsets_from_sizes(sizes, device="cpu")
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((_bf16(8, 64).float(), _bf16(1, 32, 64), _bf16(8, 32), _offs(8)), TypeError, "a must have dtype"),
+    ((_bf16(8, 64), _bf16(32, 64), _bf16(8, 32), _offs(8)), ValueError, "b must be 3-D"),
+    ((_bf16(8, 64), _bf16(2, 32, 64), _bf16(8, 32), _offs(8)), ValueError, "groups"),
+    ((_bf16(8, 64), _bf16(1, 32, 48), _bf16(8, 32), _offs(8)), ValueError, "contraction sizes differ"),
+    ((_bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 40), _offs(8)), ValueError, "d must have shape"),
+    ((_bf16(8, 60), _bf16(1, 32, 60), _bf16(8, 32), _offs(8)), ValueError, "K = 60 must be a multiple of 8"),
+    ((_bf16(8, 64), _bf16(1, 36, 64), _bf16(8, 36), _offs(8)), ValueError, "N = 36 must be a multiple of 8"),
+    ((_bf16(64, 8).t(), _bf16(1, 32, 64), _bf16(8, 32), _offs(8)), ValueError, "contiguous"),
+    ((_bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32), _offs(8).long()), TypeError, "group_offsets must have dtype"),
+    ((_bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32), _offs(8)), ValueError, "CUDA"),
+])
+def test_m_grouped_rejects_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(*args)
+
+
+def test_nn_needs_k_multiple_of_64():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        deep_gemm.m_grouped_bf16_gemm_nn_contiguous(_bf16(8, 72), _bf16(1, 72, 32), _bf16(8, 32), _offs(8))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((_bf16(8, 64), _bf16(8, 32), _bf16(1, 64, 32).half(), _offs(8)), TypeError, "d must have dtype"),
+    ((_bf16(8, 64), _bf16(9, 32), torch.zeros(1, 64, 32), _offs(8)), ValueError, "same number of rows"),
+    ((_bf16(8, 64), _bf16(8, 32), torch.zeros(2, 64, 32), _offs(8)), ValueError, "d must have shape"),
+    ((_bf16(8, 60), _bf16(8, 32), torch.zeros(1, 60, 32), _offs(8)), ValueError, "M = 60"),
+    ((_bf16(8, 64), _bf16(8, 32), torch.zeros(1, 64, 32), _offs(8)), ValueError, "CUDA"),
+])
+def test_k_grouped_rejects_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(*args)
+
+
+def test_num_sms_cap():
+    with pytest.raises(ValueError):
+        deep_gemm.set_num_sms(0)
+
+
+if __name__ == "__main__":
+    if not HAS_SM90:
+        sys.exit("needs an sm_90 GPU")
+    print(f"{'kernel':<8} {'block_n':>7} {'N':>5} {'K':>5} {'groups':>6} {'rows':>6} {'rel.err':>9} untouched")
+    for spec, n, k in M_GROUPED_CASES:
+        for nn in (False, True):
+            if nn and k % 64:
+                continue
+            for block_n in (128, 256):
+                sizes, err, untouched = _run_m_grouped(spec, n, k, nn, block_n)
+                print(f"{'nn' if nn else 'nt':<8} {block_n:>7} {n:>5} {k:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} {untouched}")
+    for spec, m, n in K_GROUPED_CASES:
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for block_n in (128, 256):
+                sizes, err = _run_k_grouped(spec, m, n, out_dtype, False, block_n)
+                print(f"{'tn':<8} {block_n:>7} {n:>5} {m:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} {str(out_dtype)[6:]}")

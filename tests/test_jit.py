@@ -1,0 +1,89 @@
+"""The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills, and
+the disk cache returns a compiled kernel without recompiling. Needs nvcc, not a GPU."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
+from deep_gemm.jit import compile_cubin  # noqa: E402
+from deep_gemm.jit.compiler import cache_key, nvcc_path  # noqa: E402
+
+try:
+    nvcc_path()
+    HAS_NVCC = True
+except Exception:
+    HAS_NVCC = False
+requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+
+
+def all_kernels():
+    """(label, builder) for every variant the launchers can choose."""
+    out = []
+    for config in m_grouped_bf16.all_configs():
+        for mn_major in (False, True):
+            out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{config.block_n}",
+                        lambda c=config, mn=mn_major: m_grouped_bf16.get_kernel(c, mn)))
+    for config in k_grouped_bf16.all_configs():
+        for dtype in (torch.float32, torch.bfloat16):
+            for accumulate in (False, True):
+                out.append((f"k_grouped_{config.block_n}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
+                            lambda c=config, t=dtype, a=accumulate: k_grouped_bf16.get_kernel(c, t, a)))
+    return out
+
+
+def resource_report(kernel) -> dict:
+    log = (kernel.cubin.parent / "ptxas.log").read_text()
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill", log)),
+        "stack_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes stack frame", log)),
+    }
+
+
+@requires_nvcc
+@pytest.mark.parametrize("label,build", all_kernels(), ids=[k for k, _ in all_kernels()])
+def test_kernel_compiles_without_spills(label, build):
+    report = resource_report(build())
+    assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0, report
+
+
+@requires_nvcc
+def test_cache_hit_skips_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    source = 'extern "C" __global__ void kernel(int* x) { *x = 1; }\n'
+    start = time.perf_counter()
+    first = compile_cubin("tiny", source)
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    second = compile_cubin("tiny", source)
+    hit_s = time.perf_counter() - start
+    assert first == second and first.exists()
+    assert hit_s < min(compile_s, 0.05)
+    assert cache_key("tiny", source) != cache_key("tiny", source + "\n")
+
+
+@requires_nvcc
+def test_ptxas_check_rejects_spills(tmp_path, monkeypatch):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DG_JIT_PTXAS_CHECK", "1")
+    # A runtime-indexed local array must live in local memory (a stack frame).
+    source = ('extern "C" __global__ void kernel(int* x, int i) {\n'
+              '    int buf[64];\n    for (int j = 0; j < 64; ++j) buf[x[j] & 63] = j;\n    x[0] = buf[i & 63];\n}\n')
+    from deep_gemm.jit import CompileError
+    with pytest.raises(CompileError, match="local memory"):
+        compile_cubin("stack", source)
+
+
+if __name__ == "__main__":
+    print(f"{'kernel':<32} {'regs':>5} {'spill B':>8} {'stack B':>8}")
+    for label, build in all_kernels():
+        r = resource_report(build())
+        print(f"{label:<32} {r['registers']:>5} {r['spill_bytes']:>8} {r['stack_bytes']:>8}")
