@@ -17,8 +17,10 @@ _DTYPES = {
 @functools.lru_cache(maxsize=4096)
 def _encode(dtype: torch.dtype, address: int, inner: int, outer: int, outer_stride_bytes: int,
             box_inner: int, box_outer: int) -> bytes:
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t  # some cuda-bindings versions reject plain ints here
     tensor_map = check(cu.cuTensorMapEncodeTiled(
-        _DTYPES[dtype], 2, address, [inner, outer], [outer_stride_bytes], [box_inner, box_outer], [1, 1],
+        _DTYPES[dtype], 2, address, [u64(inner), u64(outer)], [u64(outer_stride_bytes)],
+        [u32(box_inner), u32(box_outer)], [u32(1), u32(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

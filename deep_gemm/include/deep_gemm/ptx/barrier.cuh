@@ -22,15 +22,26 @@ struct alignas(8) MBarrier {
                      :: "r"(smem_addr(this)), "r"(bytes) : "memory");
     }
 
-    // Blocks until the phase with parity `phase` has completed.
+    // Blocks until the phase with parity `phase` has completed. A wait that outlasts
+    // kTimeoutCycles (~10 s) traps (the launch fails) instead of hanging the GPU forever.
     __device__ __forceinline__ void wait(uint32_t phase) {
+        constexpr long long kTimeoutCycles = 1ll << 34;
+        const long long start = clock64();
+        while (not try_wait(phase)) {
+            if (clock64() - start > kTimeoutCycles)
+                __trap();
+        }
+    }
+
+    __device__ __forceinline__ bool try_wait(uint32_t phase) {
+        uint32_t done;
         asm volatile(
             "{\n"
-            ".reg .pred done;\n"
-            "WAIT_LOOP:\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-            "@!done bra WAIT_LOOP;\n"
-            "}\n" :: "r"(smem_addr(this)), "r"(phase) : "memory");
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n" : "=r"(done) : "r"(smem_addr(this)), "r"(phase) : "memory");
+        return done != 0;
     }
 };
 

@@ -1,0 +1,33 @@
+"""One tiny grouped-GEMM case by name, for bisecting failures under a hard timeout:
+    python scripts/smoke.py nt|nn|tn SIZES N K [BLOCK_N]     (SIZES like 128,0,37)"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
+
+kind, sizes, d1, d2 = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+block_n = int(sys.argv[5]) if len(sys.argv) > 5 else None
+offsets, rows, g = offsets_from_sizes(sizes), sum(sizes), len(sizes)
+bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+if kind in ("nt", "nn"):
+    n, k = d1, d2
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(g, *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
+    d = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if kind == "nt" else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+    fn(a, b, d, offsets, block_n=block_n)
+    ref = torch.cat([a[s:e].float() @ (b[i].float().T if kind == "nt" else b[i].float()) for i, (s, e) in enumerate(bounds)])
+else:
+    m, n = d1, d2
+    a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    d = torch.full((g, m, n), float("nan"), device="cuda")
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)
+    ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in bounds])
+torch.cuda.synchronize()
+print(f"{' '.join(sys.argv[1:])}: rel.err {relative_error(d, ref):.2e}")
