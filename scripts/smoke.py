@@ -1,7 +1,11 @@
 """One tiny grouped-GEMM case by name, for bisecting failures under a hard timeout:
-    python scripts/smoke.py nt|nn|tn SIZES N K [BLOCK_N]     (SIZES like 128,0,37)"""
+    python scripts/smoke.py nt|nn|tn SIZES N K [BLOCK_N]     (SIZES like 128,0,37)
+With DG_JIT_DEBUG_TRACE=1, prints CTA 0's checkpoints 3 s after the launch (a hang shows
+where it stopped: slot 0 producer, 1-2 math warpgroups, 4 start, 5-7 register setup, 10-11
+epilogue; values 1000+k waiting, 2000+k landed/issued, 3000+k MMA done)."""
 import os
 import sys
+import time
 
 import torch
 
@@ -29,5 +33,9 @@ else:
     d = torch.full((g, m, n), float("nan"), device="cuda")
     deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in bounds])
+if os.environ.get("DG_JIT_DEBUG_TRACE"):
+    from deep_gemm.jit.runtime import trace_buffer
+    time.sleep(3)
+    print("trace:", trace_buffer().tolist(), flush=True)
 torch.cuda.synchronize()
 print(f"{' '.join(sys.argv[1:])}: rel.err {relative_error(d, ref):.2e}")

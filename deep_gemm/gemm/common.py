@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.runtime import Kernel, get_kernel
+from ..jit.runtime import Kernel, get_kernel, trace_enabled
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -32,6 +32,7 @@ def build_kernel(header: str, params_type: str, impl: str, template_args: list, 
     """Compiles (or fetches from cache) an `extern "C" kernel` entry that runs `impl<args>`."""
     args = ", ".join(str(a) for a in template_args)
     source = (
+        ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
         f"#include <deep_gemm/impls/{header}>\n\n"
         f'extern "C" __global__ void __launch_bounds__({NUM_THREADS}, 1)\n'
         f"kernel(const __grid_constant__ deep_gemm::{params_type} p) {{\n"

@@ -7,8 +7,9 @@ where TMA wants them.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from cuda.bindings import driver as cu
@@ -66,6 +67,8 @@ class Kernel:
             fn = check(cu.cuModuleGetFunction(module, b"kernel"))
             check(cu.cuFuncSetAttribute(
                 fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes))
+            if trace_enabled():
+                _attach_trace(module)
             self._functions[device] = fn
         return fn
 
@@ -86,6 +89,28 @@ class Kernel:
         check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(arg_ptrs), 0))
 
 
+def trace_enabled() -> bool:
+    """DG_JIT_DEBUG_TRACE=1 builds kernels with DG_TRACE checkpoints (see ptx/trace.cuh)."""
+    return os.environ.get("DG_JIT_DEBUG_TRACE", "0") not in ("", "0")
+
+
+_trace: Optional[torch.Tensor] = None
+
+
+def trace_buffer() -> torch.Tensor:
+    """The host-mapped int32 [16] checkpoint buffer traced kernels write (readable mid-kernel)."""
+    global _trace
+    if _trace is None:
+        _trace = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+    return _trace
+
+
+def _attach_trace(module) -> None:
+    address, size = check(cu.cuModuleGetGlobal(module, b"dg_trace"))
+    pointer = ctypes.c_uint64(trace_buffer().data_ptr())  # pinned memory is device-addressable (UVA)
+    check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
+
+
 _kernels: dict[tuple[str, str], Kernel] = {}
 
 
@@ -99,6 +124,6 @@ def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int) -> Ker
 
 
 def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:
-    """Packs a C struct {CUtensorMap maps[]; void* ptrs[]; uint32_t ints[];} (64-byte aligned)."""
+    """Packs a C struct {CUtensorMap maps[]; void* ptrs[]; uint32_t ints[];} (128-byte aligned)."""
     data = b"".join(tensor_maps) + struct.pack(f"<{len(pointers)}Q{len(ints)}I", *pointers, *ints)
-    return data + b"\0" * (-len(data) % 64)
+    return data + b"\0" * (-len(data) % 128)  # CUtensorMap is alignas(128) in CUDA 13 headers

@@ -37,6 +37,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
     if (threadIdx.x == 0)
         smem.init_barriers();
     __syncthreads();
+    DG_TRACE(4, 1);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
     typename Scheduler::Tile tile;
@@ -44,6 +45,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
 
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
+        DG_TRACE(5, 1);
         if (threadIdx.x != kNumMathThreads)
             return;
         while (scheduler.next(tile)) {
@@ -60,6 +62,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         }
     } else {
         ptx::warpgroup_reg_alloc<kMathRegs>();
+        DG_TRACE(threadIdx.x % 128 == 0 ? 6 + threadIdx.x / 128 : 15, 1);
         const uint32_t wg = threadIdx.x / 128;
         float acc[BLOCK_N / 2];
         while (scheduler.next(tile)) {
@@ -95,6 +98,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                 OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + row) * p.n + tile.n_begin;
                 epilogue::store_direct<BLOCK_N, OutT, kAccumulate>(acc, d, p.n, p.m - row, p.n - tile.n_begin);
             }
+            DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
     }
 }

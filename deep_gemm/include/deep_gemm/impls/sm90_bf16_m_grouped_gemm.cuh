@@ -40,6 +40,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     if (threadIdx.x == 0)
         smem.init_barriers();
     __syncthreads();
+    DG_TRACE(4, 1);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n);
     typename Scheduler::Tile tile;
@@ -47,6 +48,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
 
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
+        DG_TRACE(5, 1);
         if (threadIdx.x != kNumMathThreads)
             return;
         while (scheduler.next(tile)) {
@@ -65,6 +67,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         }
     } else {
         ptx::warpgroup_reg_alloc<kMathRegs>();
+        DG_TRACE(threadIdx.x % 128 == 0 ? 6 + threadIdx.x / 128 : 15, 1);
         const uint32_t wg = threadIdx.x / 128;
         uint8_t* staging = smem.extra() + wg * Staging::kBytesPerWarpgroup;
         float acc[BLOCK_N / 2];
@@ -76,6 +79,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
             epilogue::store_bf16_staged<BLOCK_N>(
                 acc, staging, 1 + wg, p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin, p.n,
                 tile.num_rows > row ? tile.num_rows - row : 0, p.n - tile.n_begin);
+            DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
     }
 }

@@ -3,6 +3,7 @@
 // stages filled by one TMA thread and drained by WGMMA warpgroups, handshaking on mbarriers.
 #include <cstdint>
 #include "../ptx/barrier.cuh"
+#include "../ptx/trace.cuh"
 #include "../ptx/utils.cuh"
 #include "wgmma.cuh"
 
@@ -65,9 +66,14 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                  const BeforeMMA& before_mma) {
     const bool releases = ptx::lane_idx() == 0 and ptx::warp_idx() % 4 == 0;
+#ifdef DG_DEBUG_TRACE
+    const uint32_t kTraceSlot = threadIdx.x % 128 == 0 ? 1 + threadIdx.x / 128 : 15;  // 15: scratch
+#endif
     uint32_t prev_stage = 0;
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+        DG_TRACE(kTraceSlot, 1000 + k_block);
         smem.full(pipe.stage)->wait(pipe.phase);
+        DG_TRACE(kTraceSlot, 2000 + k_block);
         before_mma(pipe.stage, k_block);
 
         const uint8_t* a_tile = smem.a(pipe.stage) + a_offset;
@@ -83,6 +89,7 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
         warpgroup_fence_operand(acc);
 
         warpgroup_wait<1>();
+        DG_TRACE(kTraceSlot, 3000 + k_block);
         if (k_block > 0 and releases)
             smem.empty(prev_stage)->arrive();
         prev_stage = pipe.stage;
@@ -99,10 +106,12 @@ template <uint32_t kNumStages, typename Smem, typename IssueLoads>
 __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  const IssueLoads& issue_loads) {
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+        DG_TRACE(0, 1000 + k_block);
         smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
         ptx::MBarrier* bar = smem.full(pipe.stage);
         bar->arrive_and_expect_tx(Smem::kBytesPerStage);
         issue_loads(pipe.stage, k_block, bar);
+        DG_TRACE(0, 2000 + k_block);
         pipe.template advance<kNumStages>();
     }
 }
