@@ -3,11 +3,19 @@
 With DG_JIT_DEBUG_TRACE=1, prints CTA 0's checkpoints 3 s after the launch (a hang shows
 where it stopped: slot 0 producer, 1-2 math warpgroups, 4 start, 5-7 register setup, 10-11
 epilogue; values 1000+k waiting, 2000+k landed/issued, 3000+k MMA done)."""
+import faulthandler
 import os
 import sys
 import time
 
 import torch
+
+T0 = time.time()
+faulthandler.dump_traceback_later(float(os.environ.get("SMOKE_STACK_DUMP_S", "30")), exit=True)
+
+
+def step(msg: str) -> None:
+    print(f"[{time.time() - T0:6.2f}s] {msg}", flush=True)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -16,6 +24,17 @@ from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
 
 kind, sizes, d1, d2 = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
 block_n = int(sys.argv[5]) if len(sys.argv) > 5 else None
+step("imported")
+
+
+def show_trace() -> None:
+    if os.environ.get("DG_JIT_DEBUG_TRACE"):
+        from deep_gemm.jit.runtime import trace_buffer
+        for _ in range(2):
+            time.sleep(1.5)
+            step(f"trace: {trace_buffer().tolist()}")
+
+
 offsets, rows, g = offsets_from_sizes(sizes), sum(sizes), len(sizes)
 bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
 if kind in ("nt", "nn"):
@@ -24,18 +43,20 @@ if kind in ("nt", "nn"):
     b = torch.randn(g, *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
     d = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if kind == "nt" else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+    step("inputs ready")
     fn(a, b, d, offsets, block_n=block_n)
+    step("launched")
+    show_trace()
     ref = torch.cat([a[s:e].float() @ (b[i].float().T if kind == "nt" else b[i].float()) for i, (s, e) in enumerate(bounds)])
 else:
     m, n = d1, d2
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     d = torch.full((g, m, n), float("nan"), device="cuda")
+    step("inputs ready")
     deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)
+    step("launched")
+    show_trace()
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in bounds])
-if os.environ.get("DG_JIT_DEBUG_TRACE"):
-    from deep_gemm.jit.runtime import trace_buffer
-    time.sleep(3)
-    print("trace:", trace_buffer().tolist(), flush=True)
 torch.cuda.synchronize()
 print(f"{' '.join(sys.argv[1:])}: rel.err {relative_error(d, ref):.2e}")

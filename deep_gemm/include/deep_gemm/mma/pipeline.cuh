@@ -65,7 +65,9 @@ template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, t
 __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                  const BeforeMMA& before_mma) {
-    const bool releases = ptx::lane_idx() == 0 and ptx::warp_idx() % 4 == 0;
+    // One thread per warpgroup releases stages. (No warp shuffle here: a shuffle reached by
+    // one lane only, e.g. behind a short-circuit, deadlocks the warp.)
+    const bool releases = threadIdx.x % 128 == 0;
 #ifdef DG_DEBUG_TRACE
     const uint32_t kTraceSlot = threadIdx.x % 128 == 0 ? 1 + threadIdx.x / 128 : 15;  // 15: scratch
 #endif
