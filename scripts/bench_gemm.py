@@ -71,8 +71,13 @@ def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
         theirs = lambda: torch._grouped_mm(a_t, b, offs=ends)  # noqa: E731
         flops = 2 * rows * m * n
     ours()
-    ref = theirs()
-    err = relative_error(d, ref) if ref.shape == d.shape else float("nan")
+    try:
+        ref = theirs()
+    except Exception as e:  # a torch version without this layout: report, keep going
+        print(f"torch._grouped_mm failed for {kind}: {e}", flush=True)
+        return bench_ms(ours), float("nan"), float("nan"), flops
+    # Error on a slice: the full fp64 copies of the largest outputs would not fit in memory.
+    err = relative_error(d[:4096].float(), ref[:4096].float()) if ref.shape == d.shape else float("nan")
     return bench_ms(ours), bench_ms(theirs), err, flops
 
 
