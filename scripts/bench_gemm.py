@@ -9,7 +9,8 @@ GEMMs of one MoE layer's training step:
     wgrad1 dz.T @ x           k-grouped tn   [E, 2I, H]
     wgrad2 dy.T @ a           k-grouped tn   [E, H, I]
 Both sides write bf16 (fp32 weight-gradient output is timed separately, "wgrad fp32").
-Times are medians of CUDA-event timings with the L2 flushed before each run.
+Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
+torch's interleaved in rounds so clock drift hits both alike.
 
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead]
 """
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
@@ -46,8 +48,8 @@ def gemm_cases(hidden: int, inter: int):
     ]
 
 
-def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
-    """Returns (ours_ms, torch_ms, rel_err_ours_vs_torch, flops)."""
+def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
+    """Returns (ours_ms, torch_ms, rel_err_ours_vs_torch, flops, {config: ms} when sweeping)."""
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
     ends = offsets[1:].contiguous()
@@ -57,7 +59,8 @@ def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
         b = torch.randn(num_groups, *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
         d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if kind == "nt" else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
-        ours = lambda: fn(a, b, d, offsets, block_n=block_n)  # noqa: E731
+        ours = lambda config=None: fn(a, b, d, offsets, config=config)  # noqa: E731
+        configs = m_grouped_bf16.all_configs()
         b_torch = b.transpose(1, 2) if kind == "nt" else b
         theirs = lambda: torch._grouped_mm(a, b_torch, offs=ends)  # noqa: E731
         flops = 2 * rows * n * k
@@ -66,7 +69,8 @@ def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
         a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         d = torch.empty(num_groups, m, n, device="cuda", dtype=out_dtype)
-        ours = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)  # noqa: E731
+        ours = lambda config=None: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, config=config)  # noqa: E731
+        configs = k_grouped_bf16.all_configs(out_dtype)
         a_t = a.t()
         theirs = lambda: torch._grouped_mm(a_t, b, offs=ends)  # noqa: E731
         flops = 2 * rows * m * n
@@ -75,11 +79,25 @@ def run_case(kind, d1, d2, sizes, block_n=None, out_dtype=torch.bfloat16):
         ref = theirs()
     except Exception as e:  # a torch version without this layout: report, keep going
         print(f"torch._grouped_mm failed for {kind}: {e}", flush=True)
-        return bench_ms(ours), float("nan"), float("nan"), flops
+        ref, theirs = None, None
     # Error on a slice: the full fp64 copies of the largest outputs would not fit in memory.
     err = (relative_error(d.flatten()[:1 << 24].float(), ref.flatten()[:1 << 24].float())
-           if ref.shape == d.shape else float("nan"))
-    return bench_ms(ours), bench_ms(theirs), err, flops
+           if ref is not None and ref.shape == d.shape else float("nan"))
+    ours_ms, torch_ms = interleaved_ms(ours, theirs)
+    swept = {c: interleaved_ms(lambda c=c: ours(c), None)[0] for c in configs} if sweep else {}
+    return ours_ms, torch_ms, err, flops, swept
+
+
+def interleaved_ms(fn, baseline, rounds: int = 3):
+    """Median over `rounds` alternating rounds of (fn, baseline) timings: slow drifts of the
+    GPU's clock hit both sides alike."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(bench_ms(fn, warmup=2, iters=10))
+        if baseline is not None:
+            theirs.append(bench_ms(baseline, warmup=2, iters=10))
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    return median(ours), median(theirs)
 
 
 def launch_overhead_us() -> tuple[float, float]:
@@ -107,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="30b,235b,v3")
     parser.add_argument("--routing", default="uniform,skewed")
-    parser.add_argument("--sweep", action="store_true", help="also time each block_n variant")
+    parser.add_argument("--sweep", action="store_true", help="also time every kernel variant (config)")
     parser.add_argument("--launch-overhead", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -118,7 +136,7 @@ def main() -> None:
     header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
               f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
     if args.sweep:
-        header += "  sweep block_n=128/256 ms"
+        header += "  sweep ms: block_n[a=async store]"
     lines = [header]
     print(header, flush=True)
     for model in args.models.split(","):
@@ -129,12 +147,12 @@ def main() -> None:
             for label, kind, d1, d2 in cases:
                 out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
                 kind = "tn" if kind == "tn32" else kind
-                ours, theirs, err, flops = run_case(kind, d1, d2, sizes, out_dtype=out_dtype)
+                ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
                 shape = f"{tokens * topk},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
                 line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
                         f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
-                if args.sweep:
-                    line += "  " + "/".join(f"{run_case(kind, d1, d2, sizes, bn, out_dtype)[0]:.3f}" for bn in (128, 256))
+                if swept:
+                    line += "  " + " ".join(f"{c.block_n}{'a' if c.async_store else ''}:{ms:.3f}" for c, ms in swept.items())
                 lines.append(line)
                 print(line, flush=True)
     if args.launch_overhead:

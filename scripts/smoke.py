@@ -1,5 +1,6 @@
 """One tiny grouped-GEMM case by name, for bisecting failures under a hard timeout:
-    python scripts/smoke.py nt|nn|tn SIZES N K [BLOCK_N]     (SIZES like 128,0,37)
+    python scripts/smoke.py nt|nn|tn SIZES N K [CONFIG]   (SIZES like 128,0,37; CONFIG an
+    index into the launcher's all_configs())
 With DG_JIT_DEBUG_TRACE=1, prints CTA 0's checkpoints 3 s after the launch (a hang shows
 where it stopped: slot 0 producer, 1-2 math warpgroups, 4 start, 5-7 register setup, 10-11
 epilogue; values 1000+k waiting, 2000+k landed/issued, 3000+k MMA done)."""
@@ -20,10 +21,11 @@ def step(msg: str) -> None:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
 
 kind, sizes, d1, d2 = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
-block_n = int(sys.argv[5]) if len(sys.argv) > 5 else None
+config_idx = int(sys.argv[5]) if len(sys.argv) > 5 else None
 step("imported")
 
 
@@ -44,7 +46,8 @@ if kind in ("nt", "nn"):
     d = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if kind == "nt" else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
     step("inputs ready")
-    fn(a, b, d, offsets, block_n=block_n)
+    config = None if config_idx is None else m_grouped_bf16.all_configs()[config_idx]
+    fn(a, b, d, offsets, config=config)
     step("launched")
     show_trace()
     ref = torch.cat([a[s:e].float() @ (b[i].float().T if kind == "nt" else b[i].float()) for i, (s, e) in enumerate(bounds)])
@@ -54,7 +57,8 @@ else:
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     d = torch.full((g, m, n), float("nan"), device="cuda")
     step("inputs ready")
-    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, block_n=block_n)
+    config = None if config_idx is None else k_grouped_bf16.all_configs(d.dtype)[config_idx]
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, config=config)
     step("launched")
     show_trace()
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in bounds])

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -58,14 +59,21 @@ def _ref_m_grouped(a, b, sizes, nn: bool):
     return torch.cat(out)
 
 
-def _run_m_grouped(spec, n, k, nn: bool, block_n):
+def _config_id(config) -> str:
+    return f"bn{config.block_n}{'_async' if config.async_store else ''}"
+
+
+M_CONFIGS = m_grouped_bf16.all_configs()
+
+
+def _run_m_grouped(spec, n, k, nn: bool, config):
     sizes = _sizes(spec)
     m = sum(sizes) + 3  # 3 trailing rows belong to no group: must stay untouched
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(len(sizes), *((k, n) if nn else (n, k)), device="cuda", dtype=torch.bfloat16) / k**0.5
     d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     fn = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if nn else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
-    fn(a, b, d, offsets_from_sizes(sizes), block_n=block_n)
+    fn(a, b, d, offsets_from_sizes(sizes), config=config)
     torch.cuda.synchronize()
     rows = sum(sizes)
     err = relative_error(d[:rows], _ref_m_grouped(a, b, sizes, nn)) if rows else 0.0
@@ -74,18 +82,18 @@ def _run_m_grouped(spec, n, k, nn: bool, block_n):
 
 
 @requires_sm90
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("spec,n,k", M_GROUPED_CASES)
-def test_m_grouped(spec, n, k, nn, block_n):
+def test_m_grouped(spec, n, k, nn, config):
     if nn and k % 64:
         pytest.skip("nn layout needs K % 64 == 0")
-    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, block_n)
+    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config)
     assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
     assert untouched, "rows outside every group were written"
 
 
-def _run_k_grouped(spec, m, n, out_dtype, accumulate, block_n):
+def _run_k_grouped(spec, m, n, out_dtype, accumulate, config):
     sizes = _sizes(spec)
     rows = sum(sizes)
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
@@ -97,18 +105,21 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate, block_n):
         ref += d.float()
     else:
         d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
-    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, accumulate=accumulate, block_n=block_n)
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, accumulate=accumulate, config=config)
     torch.cuda.synchronize()
     return sizes, relative_error(d, ref)
 
 
+K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)
+              for config in k_grouped_bf16.all_configs(dtype)]
+
+
 @requires_sm90
-@pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("out_dtype,accumulate", [(torch.float32, False), (torch.float32, True),
-                                                  (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
+                         ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
-def test_k_grouped(spec, m, n, out_dtype, accumulate, block_n):
-    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, block_n)
+def test_k_grouped(spec, m, n, out_dtype, accumulate, config):
+    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
 
@@ -192,16 +203,16 @@ def test_num_sms_cap():
 if __name__ == "__main__":
     if not HAS_SM90:
         sys.exit("needs an sm_90 GPU")
-    print(f"{'kernel':<8} {'block_n':>7} {'N':>5} {'K':>5} {'groups':>6} {'rows':>6} {'rel.err':>9} untouched")
+    print(f"{'kernel':<8} {'config':>12} {'N':>5} {'K':>5} {'groups':>6} {'rows':>6} {'rel.err':>9} untouched")
     for spec, n, k in M_GROUPED_CASES:
         for nn in (False, True):
             if nn and k % 64:
                 continue
-            for block_n in (128, 256):
-                sizes, err, untouched = _run_m_grouped(spec, n, k, nn, block_n)
-                print(f"{'nn' if nn else 'nt':<8} {block_n:>7} {n:>5} {k:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} {untouched}")
+            for config in M_CONFIGS:
+                sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config)
+                print(f"{'nn' if nn else 'nt':<8} {_config_id(config):>12} {n:>5} {k:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} {untouched}")
     for spec, m, n in K_GROUPED_CASES:
-        for out_dtype in (torch.float32, torch.bfloat16):
-            for block_n in (128, 256):
-                sizes, err = _run_k_grouped(spec, m, n, out_dtype, False, block_n)
-                print(f"{'tn':<8} {block_n:>7} {n:>5} {m:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} {str(out_dtype)[6:]}")
+        for out_dtype, accumulate, config in K_VARIANTS:
+            sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config)
+            print(f"{'tn':<8} {_config_id(config):>12} {n:>5} {m:>5} {len(sizes):>6} {sum(sizes):>6} {err:>9.2e} "
+                  f"{str(out_dtype)[6:]}{' acc' if accumulate else ''}")

@@ -27,14 +27,17 @@ requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def all_kernels():
     """(label, builder) for every variant the launchers can choose."""
     out = []
+    def tag(config):
+        return f"{config.block_n}{'_async' if config.async_store else ''}"
+
     for config in m_grouped_bf16.all_configs():
         for mn_major in (False, True):
-            out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{config.block_n}",
+            out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{tag(config)}",
                         lambda c=config, mn=mn_major: m_grouped_bf16.get_kernel(c, mn)))
-    for config in k_grouped_bf16.all_configs():
-        for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16):
+        for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):
-                out.append((f"k_grouped_{config.block_n}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
+                out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
                             lambda c=config, t=dtype, a=accumulate: k_grouped_bf16.get_kernel(c, t, a)))
     return out
 

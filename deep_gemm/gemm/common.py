@@ -14,18 +14,31 @@ MAX_STAGES = 8
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One compiled variant of a grouped GEMM kernel."""
+    """One compiled variant of a grouped GEMM kernel.
+
+    block_n: tile width (the tile is 128 x block_n); num_stages: pipeline depth;
+    async_store: epilogue drained by bulk copies overlapping the next tile's MMAs;
+    smem_bytes: dynamic shared memory the variant needs.
+    """
 
     block_n: int
     num_stages: int
+    async_store: bool
     smem_bytes: int
 
 
-def make_config(block_n: int, epilogue_bytes: int) -> GemmConfig:
+def make_config(block_n: int, async_store: bool, epilogue_bytes: int) -> GemmConfig:
     """The deepest pipeline that fits next to `epilogue_bytes` of epilogue shared memory."""
     per_stage = (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * 8  # A and B tiles, full and empty barriers
     num_stages = min(MAX_STAGES, (SMEM_LIMIT - epilogue_bytes) // per_stage)
-    return GemmConfig(block_n, num_stages, epilogue_bytes + num_stages * per_stage)
+    if num_stages < 2:
+        raise ValueError(f"block_n={block_n} with async_store={async_store} does not fit in shared memory")
+    return GemmConfig(block_n, num_stages, async_store, epilogue_bytes + num_stages * per_stage)
+
+
+def row_staging_bytes(block_n: int, elem_bytes: int) -> int:
+    """Mirrors epilogue::RowStaging: two warpgroups x 64 rows x (block_n elements + 16 bytes)."""
+    return 2 * 64 * (block_n * elem_bytes + 16)
 
 
 def build_kernel(header: str, params_type: str, impl: str, template_args: list, smem_bytes: int) -> Kernel:

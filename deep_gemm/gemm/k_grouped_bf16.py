@@ -5,31 +5,42 @@ from typing import Optional
 
 import torch
 
-from ..jit.tma import make_tma_2d_desc
 from ..jit.runtime import pack_params
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms, print_configs_enabled
-from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config
+from ..jit.tma import make_tma_2d_desc
+from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
+                     print_configs_enabled)
+from .common import BLOCK_K, BLOCK_M, SMEM_LIMIT, GemmConfig, build_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
 _OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 
 
-def get_config(n: int, block_n: Optional[int] = None) -> GemmConfig:
-    """The variant the launcher picks for output width `n` (or the forced `block_n`)."""
-    if block_n is None:
-        block_n = 256 if n > 128 else 128
-    if block_n not in _BLOCK_NS:
-        raise ValueError(f"block_n must be one of {_BLOCK_NS}")
-    return make_config(block_n, 0)
+def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: bool = False) -> GemmConfig:
+    staging = row_staging_bytes(block_n, out_dtype.itemsize) if async_store else 0
+    return make_config(block_n, async_store, staging)
 
 
-def all_configs() -> list[GemmConfig]:
-    return [get_config(0, block_n) for block_n in _BLOCK_NS]
+def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
+    """The variant the launcher picks for output width `n` and output dtype."""
+    return make_k_grouped_config(256 if n > 128 else 128, out_dtype)
+
+
+def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
+    """Every variant a caller may pass as `config` for this output dtype."""
+    configs = []
+    for block_n in _BLOCK_NS:
+        for async_store in (False, True):
+            # fp32 staging of a 256-wide tile leaves no room for two pipeline stages
+            if async_store and row_staging_bytes(block_n, out_dtype.itemsize) > SMEM_LIMIT // 2:
+                continue
+            configs.append(make_k_grouped_config(block_n, out_dtype, async_store))
+    return configs
 
 
 def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool):
     return build_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
-                        [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower()],
+                        [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),
+                         str(config.async_store).lower()],
                         config.smem_bytes)
 
 
@@ -38,7 +49,7 @@ _printed: set = set()
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, accumulate: bool = False,
-                                      block_n: Optional[int] = None) -> None:
+                                      config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[g] (+)= A[rows of g].T @ B[rows of g]`` (MoE weight gradients), into `d`.
 
     Args:
@@ -50,7 +61,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, R]``;
             sizes are arbitrary. Read on the GPU: no host sync.
         accumulate: add into the existing `d` instead of overwriting it.
-        block_n: force a tile width (128 or 256); the default picks by N.
+        config: force a kernel variant (one of
+            `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default picks by N.
 
     Requires M and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
@@ -68,6 +80,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_multiple("N", n, 8)
     if max(rows, m, n) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
+    if config is not None and config not in all_configs(d.dtype):
+        raise ValueError(f"unknown config {config} for {d.dtype} output; pick one of all_configs()")
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
     if m == 0 or n == 0 or num_groups == 0:
         return
@@ -76,7 +90,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             d.zero_()
         return
 
-    config = get_config(n, block_n)
+    config = config or get_config(n, d.dtype)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
         _printed.add(key)

@@ -5,43 +5,48 @@ from typing import Optional
 
 import torch
 
-from ..jit.tma import make_tma_2d_desc
 from ..jit.runtime import pack_params
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms, print_configs_enabled
-from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config
+from ..jit.tma import make_tma_2d_desc
+from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
+                     print_configs_enabled)
+from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
 
 
-def _staging_bytes(block_n: int) -> int:
+def _staging_bytes(block_n: int, async_store: bool) -> int:
+    if async_store:
+        return row_staging_bytes(block_n, 2)
     # Mirrors epilogue::StagedBF16: two warpgroups x 64 rows x (<=128 columns + 16-byte pad).
     return 2 * 64 * (min(block_n, 128) * 2 + 16)
 
 
-def get_config(n: int, block_n: Optional[int] = None) -> GemmConfig:
-    """The variant the launcher picks for output width `n` (or the forced `block_n`)."""
-    if block_n is None:
-        block_n = 256 if n > 128 else 128
-    if block_n not in _BLOCK_NS:
-        raise ValueError(f"block_n must be one of {_BLOCK_NS}")
-    return make_config(block_n, _staging_bytes(block_n))
+def make_m_grouped_config(block_n: int, async_store: bool = False) -> GemmConfig:
+    return make_config(block_n, async_store, _staging_bytes(block_n, async_store))
+
+
+def get_config(n: int) -> GemmConfig:
+    """The variant the launchers pick for output width `n`."""
+    return make_m_grouped_config(256 if n > 128 else 128)
 
 
 def all_configs() -> list[GemmConfig]:
-    return [get_config(0, block_n) for block_n in _BLOCK_NS]
+    """Every variant a caller may pass as `config`."""
+    return [make_m_grouped_config(block_n, async_store) for block_n in _BLOCK_NS for async_store in (False, True)]
 
 
 def get_kernel(config: GemmConfig, b_mn_major: bool):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
     return build_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
-                        [config.block_n, config.num_stages, major], config.smem_bytes)
+                        [config.block_n, config.num_stages, major, str(config.async_store).lower()],
+                        config.smem_bytes)
 
 
 _printed: set = set()
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
-            block_n: Optional[int]) -> None:
+            config: Optional[GemmConfig]) -> None:
     layout = "nn" if b_mn_major else "nt"
     check_tensor("a", a, torch.bfloat16, 2)
     check_tensor("b", b, torch.bfloat16, 3)
@@ -63,13 +68,15 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     check_multiple("N", n, 8)
     if max(m, n, k) >= 2**31 or g * max(n, k) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
+    if config is not None and config not in all_configs():
+        raise ValueError(f"unknown config {config}; pick one of all_configs()")
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
     if m == 0 or n == 0 or num_groups == 0:
         return
     if k == 0:
         raise ValueError("K must be positive")
 
-    config = get_config(n, block_n)
+    config = config or get_config(n)
     if print_configs_enabled() and (layout, m, n, k, g) not in _printed:
         _printed.add((layout, m, n, k, g))
         print(f"[deep_gemm] m_grouped_bf16_gemm_{layout}: M={m} N={n} K={k} G={g} -> {config}")
@@ -85,7 +92,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      group_offsets: torch.Tensor, *, block_n: Optional[int] = None) -> None:
+                                      group_offsets: torch.Tensor, *, config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g].T`` (MoE forward), in place into `d`.
 
     Args:
@@ -95,15 +102,16 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         group_offsets: ``[G + 1]`` int32 on the GPU: group g owns rows
             ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, M]``;
             sizes are arbitrary (zero, not multiples of any tile). Read on the GPU: no host sync.
-        block_n: force a tile width (128 or 256); the default picks by N.
+        config: force a kernel variant (one of `deep_gemm.gemm.m_grouped_bf16.all_configs()`);
+            the default picks by N.
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
-    _launch(a, b, d, group_offsets, False, block_n)
+    _launch(a, b, d, group_offsets, False, config)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      group_offsets: torch.Tensor, *, block_n: Optional[int] = None) -> None:
+                                      group_offsets: torch.Tensor, *, config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g]`` (MoE data gradient), in place into `d`.
 
     Args:
@@ -112,8 +120,8 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             whose transpose is applied without a copy).
         d: ``[M, N]`` bf16 output. Only rows inside a group are written.
         group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
-        block_n: force a tile width (128 or 256); the default picks by N.
+        config: force a kernel variant (one of `all_configs()`); the default picks by N.
 
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
-    _launch(a, b, d, group_offsets, True, block_n)
+    _launch(a, b, d, group_offsets, True, config)

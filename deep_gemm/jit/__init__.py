@@ -1,2 +1,2 @@
 """Run-time compilation of the CUDA kernels: nvcc -> cubin cache -> driver-API launch."""
-from .compiler import CompileError, cache_dir, compile_cubin, nvcc_version, ptxas_report
+from .compiler import CompileError, cache_dir, compile_cubin, nvcc_version

@@ -128,9 +128,4 @@ def _compile_to(name: str, source: str, key: str, kernel_dir: Path) -> None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def ptxas_report(name: str, source: str) -> str:
-    """ptxas' resource report of a kernel (compiles it if needed)."""
-    return (compile_cubin(name, source).parent / "ptxas.log").read_text()
-
-
-__all__ = ["CompileError", "compile_cubin", "ptxas_report", "cache_dir", "nvcc_path", "nvcc_version"]
+__all__ = ["CompileError", "compile_cubin", "cache_dir", "nvcc_path", "nvcc_version"]

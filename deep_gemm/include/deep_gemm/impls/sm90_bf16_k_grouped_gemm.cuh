@@ -20,11 +20,14 @@ struct KGroupedGemmParams {
     uint32_t m, n, rows, num_groups;
 };
 
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate>
+// kAsyncStore: the epilogue drains through bulk copies (reduce-adds with kAccumulate) that
+// overlap the next tile's MMAs (epilogue::store_rows_async) instead of direct stores.
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
-    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 0>;
+    constexpr uint32_t kStagingBytes = kAsyncStore ? epilogue::RowStaging<BLOCK_N, OutT>::kBytesPerWarpgroup : 0;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
 
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
@@ -64,6 +67,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         ptx::warpgroup_reg_alloc<kMathRegs>();
         DG_TRACE(threadIdx.x % 128 == 0 ? 6 + threadIdx.x / 128 : 15, 1);
         const uint32_t wg = threadIdx.x / 128;
+        uint8_t* staging = smem.extra() + wg * kStagingBytes;
         float acc[BLOCK_N / 2];
         while (scheduler.next(tile)) {
             const uint32_t num_rows = tile.k_end - tile.k_begin;
@@ -93,13 +97,16 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
             consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor>(
                 smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail);
 
-            const uint32_t row = tile.m_begin + wg * 64;
-            if (row < p.m) {
-                OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + row) * p.n + tile.n_begin;
-                epilogue::store_direct<BLOCK_N, OutT, kAccumulate>(acc, d, p.n, p.m - row, p.n - tile.n_begin);
-            }
+            const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
+            OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + min(row, p.m)) * p.n + tile.n_begin;
+            if constexpr (kAsyncStore)  // barrier 1 is the zero-fill's; 2 and 3 are per warpgroup
+                epilogue::store_rows_async<BLOCK_N, OutT, kAccumulate>(acc, staging, 2 + wg, d, p.n, valid_rows, p.n - tile.n_begin);
+            else
+                epilogue::store_direct<BLOCK_N, OutT, kAccumulate>(acc, d, p.n, valid_rows, p.n - tile.n_begin);
             DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
+        if constexpr (kAsyncStore)
+            epilogue::store_rows_async_drain();
     }
 }
 

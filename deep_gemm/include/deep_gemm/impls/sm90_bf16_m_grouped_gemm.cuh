@@ -21,12 +21,15 @@ struct MGroupedGemmParams {
     uint32_t m, n, k, num_groups;
 };
 
-template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB>
+// kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
+// (epilogue::store_rows_async) instead of 16-byte stores by the math threads.
+template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
-    using Staging = epilogue::StagedBF16<BLOCK_N>;
-    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Staging::kBytesPerWarpgroup>;
+    constexpr uint32_t kStagingBytes = kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
+                                                   : epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
 
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
@@ -69,18 +72,22 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         ptx::warpgroup_reg_alloc<kMathRegs>();
         DG_TRACE(threadIdx.x % 128 == 0 ? 6 + threadIdx.x / 128 : 15, 1);
         const uint32_t wg = threadIdx.x / 128;
-        uint8_t* staging = smem.extra() + wg * Staging::kBytesPerWarpgroup;
+        uint8_t* staging = smem.extra() + wg * kStagingBytes;
         float acc[BLOCK_N / 2];
         while (scheduler.next(tile)) {
             zero_accum(acc);
             consume_k_blocks<BLOCK_N, kNumStages, Major::kKMajor, kMajorB>(
                 smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {});
-            const uint32_t row = wg * 64;
-            epilogue::store_bf16_staged<BLOCK_N>(
-                acc, staging, 1 + wg, p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin, p.n,
-                tile.num_rows > row ? tile.num_rows - row : 0, p.n - tile.n_begin);
+            const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
+            __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
+            if constexpr (kAsyncStore)
+                epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
+            else
+                epilogue::store_bf16_staged<BLOCK_N>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
             DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
+        if constexpr (kAsyncStore)
+            epilogue::store_rows_async_drain();
     }
 }
 

@@ -22,4 +22,37 @@ __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* desc,
         : "memory");
 }
 
+// 1-D bulk copy of `bytes` (a multiple of 16) from shared to global memory, or with
+// `kReduceAdd` an element-wise `dst += src` done by the memory system (fp32 or bf16).
+// Completion is tracked per thread with bulk groups (`bulk_commit_group`, `bulk_wait_*`).
+template <typename T, bool kReduceAdd>
+__device__ __forceinline__ void bulk_store(T* dst, const void* smem_src, uint32_t bytes) {
+    if constexpr (not kReduceAdd) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                     :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+    } else if constexpr (sizeof(T) == 4) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                     :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+    } else {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;\n"
+                     :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+    }
+}
+
+__device__ __forceinline__ void bulk_commit_group() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Waits until this thread's bulk groups, all but the newest N, have read their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+
+// Waits until this thread's bulk groups, all but the newest N, have fully completed.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
 }  // namespace deep_gemm::ptx

@@ -45,6 +45,10 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
     asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(smem_addr(ptr)), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_shared_v2(void* ptr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(smem_addr(ptr)), "f"(x), "f"(y) : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
