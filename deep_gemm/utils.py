@@ -51,13 +51,15 @@ def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dt
 
 def check_cuda_devices(**tensors: torch.Tensor) -> torch.device:
     """Raises ValueError unless all tensors are on one CUDA device; returns it."""
-    devices = {name: t.device for name, t in tensors.items()}
-    for name, device in devices.items():
-        if device.type != "cuda":
-            raise ValueError(f"{name} must be on a CUDA device, got {device}")
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-    return next(iter(devices.values()))
+    device = None
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the other tensors on {device}")
+    return device
 
 
 def check_multiple(name: str, value: int, multiple: int) -> None:

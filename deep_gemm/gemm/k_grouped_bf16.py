@@ -1,6 +1,7 @@
 """K-grouped bf16 GEMM (MoE weight gradients): contraction over each group's ragged rows."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: boo
     return make_config(block_n, async_store, staging)
 
 
+@functools.lru_cache(maxsize=None)
 def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
     """The variant the launcher picks for output width `n` and output dtype."""
     return make_k_grouped_config(256 if n > 128 else 128, out_dtype)
@@ -37,6 +39,7 @@ def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
     return configs
 
 
+@functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool):
     return build_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
                         [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),

@@ -1,6 +1,7 @@
 """M-grouped bf16 GEMMs (MoE forward and data gradients), contiguous layout, ragged groups."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ def make_m_grouped_config(block_n: int, async_store: bool = False) -> GemmConfig
     return make_config(block_n, async_store, _staging_bytes(block_n, async_store))
 
 
+@functools.lru_cache(maxsize=None)
 def get_config(n: int) -> GemmConfig:
     """The variant the launchers pick for output width `n`."""
     return make_m_grouped_config(256 if n > 128 else 128)
@@ -35,6 +37,7 @@ def all_configs() -> list[GemmConfig]:
     return [make_m_grouped_config(block_n, async_store) for block_n in _BLOCK_NS for async_store in (False, True)]
 
 
+@functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, b_mn_major: bool):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
     return build_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",

@@ -35,6 +35,13 @@ def check(result):
 _initialized = False
 
 
+def _current_raw_stream(device: int) -> int:
+    # The private accessor returns the handle as an int without building a Stream object
+    # (several microseconds per launch); fall back to the public API where it is missing.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def _ensure_context(device: int) -> None:
     """Makes the device's primary context (the one PyTorch uses) current on this thread."""
     global _initialized
@@ -83,7 +90,7 @@ class Kernel:
             config.sharedMemBytes = self.smem_bytes
             config.numAttrs = 0
             self._configs[(device, num_blocks)] = config
-        config.hStream = torch.cuda.current_stream(device).cuda_stream
+        config.hStream = _current_raw_stream(device)
         buffer = ctypes.create_string_buffer(params, len(params))
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
         check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(arg_ptrs), 0))
