@@ -8,9 +8,25 @@ from .gemm import (
     m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
 )
+from .moe import bf16_mega_moe
 from .utils import get_num_sms, set_num_sms
 
+# The backward and the autograd layer live in the sibling package `megamoe_bwd`, which builds
+# on this one. This hook re-exports them lazily, so deep_gemm's own modules never import it.
+_REEXPORTS = {"mega_moe_backward", "mega_moe", "MegaMoE"}
+
+
+def __getattr__(name: str):
+    if name in _REEXPORTS:
+        import megamoe_bwd
+        return getattr(megamoe_bwd, name)
+    raise AttributeError(f"module 'deep_gemm' has no attribute {name!r}")
+
 __all__ = [
+    "bf16_mega_moe",
+    "mega_moe_backward",
+    "mega_moe",
+    "MegaMoE",
     "get_num_sms",
     "set_num_sms",
     "m_grouped_bf16_gemm_nt_contiguous",

@@ -1,0 +1,149 @@
+"""Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
+
+Version 0 composes the grouped GEMM kernels with PyTorch glue (row gather, SwiGLU, combine);
+the fused versions move that glue into the kernels' loads and epilogues. No host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..gemm import m_grouped_bf16_gemm_nt_contiguous
+from .layout import RoutingLayout, build_routing_layout
+
+# H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
+DIM_MULTIPLE = 64
+
+
+@dataclass
+class MegaMoEHandle:
+    """What `mega_moe_backward` needs from the forward.
+
+    It keeps the routing layout and GEMM1's output `h` (``[T * K, 2I]`` bf16) of every routed
+    slot: ``4 * I + 28`` bytes per (token, slot), e.g. 3100 bytes at I = 768. `x` is the
+    caller's tensor (not copied); the SwiGLU output is recomputed from `h` in the backward.
+    """
+
+    layout: RoutingLayout
+    x: torch.Tensor
+    h: torch.Tensor
+
+
+def check_moe_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                     l2: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Raises TypeError/ValueError on a malformed MoE problem; returns (T, H, I, E, K)."""
+    for name, t in (("x", x), ("l1", l1), ("l2", l2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be a bf16 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if topk_idx.dtype != torch.int64:
+        raise TypeError(f"topk_idx must be int64, got {topk_idx.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if x.dim() != 2 or l1.dim() != 3 or l2.dim() != 3 or topk_idx.dim() != 2:
+        raise ValueError("expected x [T, H], topk_idx [T, K], l1 [E, 2I, H], l2 [E, H, I]")
+    (num_tokens, hidden), (num_experts, two_inter, hidden_l1) = x.shape, l1.shape
+    inter = l2.shape[2]
+    if hidden_l1 != hidden or tuple(l2.shape) != (num_experts, hidden, inter) or two_inter != 2 * inter:
+        raise ValueError(f"weights do not match: x {tuple(x.shape)}, l1 {tuple(l1.shape)} (want [E, 2I, H]), "
+                         f"l2 {tuple(l2.shape)} (want [E, H, I])")
+    if topk_idx.shape[0] != num_tokens or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T = {num_tokens}, K]")
+    for name, value in (("H", hidden), ("I", inter)):
+        if value % DIM_MULTIPLE:
+            raise ValueError(f"{name} = {value} must be a multiple of {DIM_MULTIPLE}")
+    devices = {t.device for t in (x, topk_idx, topk_weights, l1, l2)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+    for name, t in (("l1", l1), ("l2", l2)):  # GEMM operands as they are; x and the routing get gathered
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return num_tokens, hidden, inter, num_experts, topk_idx.shape[1]
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, sync: bool) -> None:
+    """Expert ids must lie in [-1, E). With `sync`, a ValueError now (reads the ids on the
+    host); otherwise an asynchronous device-side assert (no host sync, graph-safe)."""
+    ok = ((topk_idx >= -1) & (topk_idx < num_experts)).all()
+    if sync:
+        if not bool(ok):
+            raise ValueError(f"topk_idx has expert ids outside [-1, {num_experts})")
+    else:
+        torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {num_experts})")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Elementwise math runs in fp32 (fp64 for fp64 inputs, as the CPU tests use)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` (``[n, 2I]``), computed in fp32, in h's dtype."""
+    gate, up = h.to(compute_dtype(h.dtype)).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+
+
+def combine_slots(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * rows[slot_row[t, k]]`` over valid slots (w = 1 if None), in
+    fp32 (fp64 for fp64 rows)."""
+    num_tokens, num_topk = layout.slot_row.shape
+    acc = compute_dtype(rows.dtype)
+    gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
+    # where, not a multiply: rows of empty slots were never written and may hold NaN
+    gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(acc)
+    if weights is None:
+        return gathered.sum(1)
+    return torch.einsum("tk,tkh->th", torch.where(layout.slot_valid, weights.to(acc), 0.0), gathered)
+
+
+def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
+                l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward on a built layout; returns (y in fp32, h). Device- and dtype-agnostic given
+    the grouped GEMMs, so the orchestration is testable with emulated GEMMs."""
+    num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
+    xs = x.index_select(0, layout.row_token)
+    h = x.new_empty(num_slots, two_inter)
+    m_grouped_bf16_gemm_nt_contiguous(xs, l1, h, layout.offsets)
+    out = x.new_empty(num_slots, hidden)
+    m_grouped_bf16_gemm_nt_contiguous(swiglu(h), l2, out, layout.offsets)
+    return combine_slots(out, layout, topk_weights), h
+
+
+def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                  l2: torch.Tensor, y: Optional[torch.Tensor] = None, *, training: bool = False,
+                  check_ids: bool = False) -> tuple[torch.Tensor, Optional[MegaMoEHandle]]:
+    """Mixture-of-Experts forward (DESIGN.md's contract), bf16, one GPU.
+
+    ``y[t] = sum_{k: idx >= 0} w[t, k] * l2[e] @ (silu(g) * u)`` with ``g, u = l1[e] @ x_t``.
+
+    Args:
+        x: ``[T, H]`` bf16 tokens.
+        topk_idx: ``[T, K]`` int64 expert ids, ``-1`` = empty slot.
+        topk_weights: ``[T, K]`` float routing weights (ignored on empty slots).
+        l1: ``[E, 2I, H]`` bf16, rows ``[0, I)`` gate and ``[I, 2I)`` up.
+        l2: ``[E, H, I]`` bf16.
+        y: optional ``[T, H]`` bf16 output to write into.
+        training: also return the handle `mega_moe_backward` needs (see `MegaMoEHandle`).
+        check_ids: check expert ids on the host (a sync, raises ValueError) instead of with an
+            asynchronous device-side assert.
+
+    Returns:
+        ``(y, handle)``; handle is None unless `training`.
+
+    H and I must be multiples of 64; all tensors on one CUDA device, l1 and l2 contiguous. No host
+    synchronisation (unless `check_ids`); deterministic.
+    """
+    num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    if not x.is_cuda:
+        raise ValueError("bf16_mega_moe runs on CUDA tensors")
+    if y is None:
+        y = x.new_empty(num_tokens, hidden)
+    elif y.dtype != torch.bfloat16 or tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
+        raise ValueError(f"y must be a bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
+    check_expert_ids(topk_idx, num_experts, check_ids)
+    layout = build_routing_layout(topk_idx, topk_weights, num_experts)
+    out, h = moe_forward(x, layout, topk_weights, l1, l2)
+    y.copy_(out)
+    return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)

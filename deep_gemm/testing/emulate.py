@@ -1,0 +1,33 @@
+"""PyTorch emulations of the grouped GEMMs with the kernels' contract, in any dtype and on any
+device, so code built on the kernels can be tested on a CPU in float64. Rows outside every
+group are overwritten with NaN, standing in for the memory the kernels leave unwritten."""
+import torch
+
+
+def _bounds(group_offsets: torch.Tensor):
+    offsets = group_offsets.tolist()
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _m_grouped(a, b, d, group_offsets, transpose_b: bool):
+    d.fill_(float("nan"))
+    for g, (start, end) in enumerate(_bounds(group_offsets)):
+        w = b[g].T if transpose_b else b[g]
+        d[start:end] = (a[start:end].to(torch.float64) @ w.to(torch.float64)).to(d.dtype)
+
+
+def m_grouped_gemm_nt(a, b, d, group_offsets, **_):
+    """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_contiguous`."""
+    _m_grouped(a, b, d, group_offsets, transpose_b=True)
+
+
+def m_grouped_gemm_nn(a, b, d, group_offsets, **_):
+    """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_contiguous`."""
+    _m_grouped(a, b, d, group_offsets, transpose_b=False)
+
+
+def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
+    """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
+    for g, (start, end) in enumerate(_bounds(group_offsets)):
+        out = a[start:end].to(torch.float64).T @ b[start:end].to(torch.float64)
+        d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)

@@ -1,0 +1,112 @@
+"""Mega MoE backward on one GPU, bf16.
+
+Data-gradient chain: gather dy rows -> dA = dy @ l2[e] (m-grouped nn) -> routing-weight
+gradient <dA, a> and SwiGLU backward -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over
+the K slots. Weight gradients are K-grouped GEMMs on a side stream, overlapped with the
+chain: dl2 starts at once, dl1 as soon as dz exists.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
+from deep_gemm.moe.forward import MegaMoEHandle, combine_slots, compute_dtype, swiglu
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """d[gate | up] of ``a = silu(gate) * up`` given ``da`` (fp32), in h's dtype."""
+    gate, up = h.to(da.dtype).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dgate = da * up * sig * (1.0 + gate * (1.0 - sig))
+    return torch.cat([dgate, da * silu], dim=-1).to(h.dtype)
+
+
+def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int], dtype: torch.dtype,
+                        device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(the tensor to write, whether to accumulate into it)."""
+    if out is None:
+        return torch.empty(shape, device=device, dtype=dtype), False
+    if tuple(out.shape) != shape or out.device != device:
+        raise ValueError(f"weight-gradient output must have shape {shape} on {device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out, True
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    if device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *, weight_grad_dtype: torch.dtype = torch.float32,
+                      dl1: Optional[torch.Tensor] = None, dl2: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
+
+    Args:
+        dy: ``[T, H]`` bf16.
+        l1, l2: the forward's weights (``[E, 2I, H]``, ``[E, H, I]`` bf16).
+        handle: from ``bf16_mega_moe(..., training=True)``.
+        weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
+        dl1, dl2: optional existing gradients (fp32 or bf16) to accumulate into, in place.
+
+    Returns:
+        ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],
+        dl2 [E, H, I])``.
+    """
+    x, layout, h = handle.x, handle.layout, handle.h
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = l1.shape
+    if dy.dtype != x.dtype or tuple(dy.shape) != (num_tokens, hidden) or dy.device != x.device:
+        raise ValueError(f"dy must be a {x.dtype} [{num_tokens}, {hidden}] tensor on {x.device}")
+    if weight_grad_dtype not in (torch.float32, torch.bfloat16) and x.is_cuda:
+        raise TypeError(f"weight_grad_dtype must be float32 or bfloat16, got {weight_grad_dtype}")
+    dy = dy.contiguous()
+    offsets, row_weight = layout.offsets, layout.row_weight.unsqueeze(-1)
+    l1_shape, l2_shape = (num_experts, two_inter, hidden), (num_experts, hidden, two_inter // 2)
+
+    dl1, accumulate_dl1 = _weight_grad_output(dl1, l1_shape, weight_grad_dtype, x.device)
+    dl2, accumulate_dl2 = _weight_grad_output(dl2, l2_shape, weight_grad_dtype, x.device)
+    # Everything is allocated on the current stream, and the current stream waits for the
+    # side stream before returning, so no memory is reused while the side stream reads it.
+    side = _side_stream(x.device)
+    on_side = torch.cuda.stream(side) if side is not None else nullcontext()
+
+    dys = dy.index_select(0, layout.row_token)
+    act = swiglu(h)
+    acc = compute_dtype(dy.dtype)
+    dys_weighted = (dys.to(acc) * row_weight).to(dy.dtype)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    with on_side:  # dl2[e] = (w * dy)_e^T @ a_e: needs nothing from the chain below
+        k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
+
+    d_act = torch.empty_like(act)
+    m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)  # dy @ l2[e]
+    row_dw = (d_act.to(acc) * act.to(acc)).sum(-1, keepdim=True)  # dL/dw of each routed row
+    dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
+                                .view_as(layout.slot_row), 0.0)
+    dz = swiglu_backward(h, d_act.to(acc) * row_weight)
+
+    xs = x.index_select(0, layout.row_token)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    with on_side:  # dl1[e] = dz_e^T @ x_e
+        k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
+
+    dxs = torch.empty_like(dys)
+    m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
+    dx = combine_slots(dxs, layout, None).to(dy.dtype)
+
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side)
+    return dx, dtopk_weights, dl1, dl2
