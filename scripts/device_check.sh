@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
-# Steps (STEPS=install,tests,sass,sanitizer,bench by default): install the package, the GPU
-# tests, HGMMA / local-memory check of every cached kernel, compute-sanitizer memcheck and
-# racecheck on a small case, the GEMM benchmark (BENCH_ARGS). Every step runs under a hard
+# Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,moe_bench by default): install,
+# compile every kernel variant in parallel, the GPU tests, HGMMA / local-memory check of every
+# cached kernel, compute-sanitizer memcheck and racecheck on a small case, the GEMM benchmark
+# (BENCH_ARGS), the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot. Every step runs under a hard
 # timeout so a hung kernel cannot eat the device lease. Logs go under $OUT (or ./device_out);
 # the benchmark table is printed last.
 set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.jit_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STEPS=${STEPS:-install,tests,sass,sanitizer,bench}
+STEPS=${STEPS:-install,precompile,tests,sass,sanitizer,bench,moe_bench}
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -19,6 +20,9 @@ nvcc --version | tail -1
 
 if has install; then
   pip install -e . --no-deps --no-build-isolation -q 2>&1 | grep -v WARNING
+fi
+if has precompile; then
+  python3 scripts/precompile.py > "$OUT/precompile.log" 2>&1 || tail -20 "$OUT/precompile.log"
 fi
 if has tests; then
   timeout -s KILL 300 python3 -m pytest -q -x tests --timeout 60 --timeout-method=thread -p no:cacheprovider \
@@ -38,4 +42,8 @@ if has sanitizer; then
 fi
 if has bench; then
   timeout -s KILL 400 python3 scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
+fi
+if has moe_bench; then
+  timeout -s KILL 300 python3 scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_mega_moe.log" | tail -20
 fi

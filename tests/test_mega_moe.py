@@ -126,8 +126,8 @@ def _accuracy(T, H, I, E, K, routing, empty):
     y_base.backward(dy)
     base = (y_base, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad)
 
-    cpu64 = [t.detach().cpu().double() if t.is_floating_point() else t.cpu() for t in (x, idx, w, l1, l2, dy)]
-    ref = (reference_forward(*cpu64[:5]), *reference_backward(*cpu64))
+    f64 = [t.detach().double() if t.is_floating_point() else t for t in (x, idx, w, l1, l2, dy)]
+    ref = (reference_forward(*f64[:5]), *reference_backward(*f64))
     names = ("y", "dx", "dtopk_weights", "dl1", "dl2")
     return {n: (relative_error(o, r), relative_error(b, r)) for n, o, b, r in zip(names, ours, base, ref)}
 
