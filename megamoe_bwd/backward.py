@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
-from deep_gemm.moe.forward import MegaMoEHandle, combine_slots, compute_dtype, swiglu
+from deep_gemm.moe.combine import moe_combine_bf16
+from deep_gemm.moe.forward import MegaMoEHandle, compute_dtype, swiglu
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
 
     dxs = torch.empty_like(dys)
     m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
-    dx = combine_slots(dxs, layout, None).to(dy.dtype)
+    dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
 
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)

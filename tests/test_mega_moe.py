@@ -42,6 +42,8 @@ ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac)
 @pytest.fixture
 def emulated_gemms(monkeypatch):
     monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_contiguous", emulate.m_grouped_gemm_nt)
+    monkeypatch.setattr(moe_forward_module, "moe_combine_bf16", emulate.moe_combine)
+    monkeypatch.setattr(moe_backward_module, "moe_combine_bf16", emulate.moe_combine)
     monkeypatch.setattr(moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn)
     monkeypatch.setattr(moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn)
 
@@ -51,7 +53,8 @@ def test_orchestration_matches_reference(emulated_gemms, T, H, I, E, K, routing,
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
-    y, h = moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"])
+    y = torch.empty_like(p["x"])
+    h = moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"], y)
     dx, dw, dl1, dl2 = mega_moe_backward(p["dy"], p["l1"], p["l2"], MegaMoEHandle(layout, p["x"], h),
                                          weight_grad_dtype=torch.float64)
     ref_y = reference_forward(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
@@ -137,6 +140,22 @@ def _accuracy(T, H, I, E, K, routing, empty):
 def test_accuracy_bar(label, T, H, I, E, K, routing, empty):
     for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
         assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_kernel(weighted):
+    from deep_gemm.moe.combine import moe_combine_bf16
+    topk_idx = make_moe_inputs(1000, 64, 64, 16, 6, device="cuda", empty_slot_frac=0.2)["topk_idx"]
+    weights = torch.rand(1000, 6, device="cuda")
+    layout = build_routing_layout(topk_idx, weights, 16)
+    rows = torch.randn(6000, 1024, device="cuda", dtype=torch.bfloat16)
+    rows[layout.slot_row[~layout.slot_valid]] = float("nan")  # rows of empty slots are never read
+    out = moe_combine_bf16(rows, layout, weights if weighted else None, torch.empty(1000, 1024, device="cuda",
+                                                                                   dtype=torch.bfloat16))
+    expected = emulate.moe_combine(rows, layout, weights if weighted else None,
+                                   torch.empty(1000, 1024, device="cuda", dtype=torch.float64))
+    assert relative_error(out, expected) < 4e-3
 
 
 @requires_sm90

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.runtime import Kernel, get_kernel, trace_enabled
+from ..jit.runtime import Kernel, build_kernel
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -41,15 +41,6 @@ def row_staging_bytes(block_n: int, elem_bytes: int) -> int:
     return 2 * 64 * (block_n * elem_bytes + 16)
 
 
-def build_kernel(header: str, params_type: str, impl: str, template_args: list, smem_bytes: int) -> Kernel:
-    """Compiles (or fetches from cache) an `extern "C" kernel` entry that runs `impl<args>`."""
-    args = ", ".join(str(a) for a in template_args)
-    source = (
-        ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
-        f"#include <deep_gemm/impls/{header}>\n\n"
-        f'extern "C" __global__ void __launch_bounds__({NUM_THREADS}, 1)\n'
-        f"kernel(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
-        f"    deep_gemm::{impl}<{args}>(p);\n"
-        f"}}\n")
-    name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
-    return get_kernel(name, source, NUM_THREADS, smem_bytes)
+def build_gemm_kernel(header: str, params_type: str, impl: str, template_args: list, smem_bytes: int) -> Kernel:
+    """A GEMM kernel entry (NUM_THREADS threads, one CTA per SM) running `impl<args>`."""
+    return build_kernel(header, params_type, impl, template_args, NUM_THREADS, smem_bytes)

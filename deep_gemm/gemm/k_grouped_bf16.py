@@ -10,7 +10,7 @@ from ..jit.runtime import pack_params
 from ..jit.tma import make_tma_2d_desc
 from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
                      print_configs_enabled)
-from .common import BLOCK_K, BLOCK_M, SMEM_LIMIT, GemmConfig, build_kernel, make_config, row_staging_bytes
+from .common import BLOCK_K, BLOCK_M, SMEM_LIMIT, GemmConfig, build_gemm_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
 _OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
@@ -41,7 +41,7 @@ def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool):
-    return build_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
+    return build_gemm_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
                         [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),
                          str(config.async_store).lower()],
                         config.smem_bytes)

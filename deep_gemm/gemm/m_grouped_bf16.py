@@ -10,7 +10,7 @@ from ..jit.runtime import pack_params
 from ..jit.tma import make_tma_2d_desc
 from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
                      print_configs_enabled)
-from .common import BLOCK_K, BLOCK_M, GemmConfig, build_kernel, make_config, row_staging_bytes
+from .common import BLOCK_K, BLOCK_M, GemmConfig, build_gemm_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
 
@@ -40,7 +40,7 @@ def all_configs() -> list[GemmConfig]:
 @functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, b_mn_major: bool):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
-    return build_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
+    return build_gemm_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
                         [config.block_n, config.num_stages, major, str(config.async_store).lower()],
                         config.smem_bytes)
 

@@ -130,6 +130,22 @@ def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int) -> Ker
     return kernel
 
 
+def build_kernel(header: str, params_type: str, impl: str, template_args: list, num_threads: int,
+                 smem_bytes: int) -> Kernel:
+    """The kernel whose `extern "C"` entry runs ``deep_gemm::impl<template_args>(params)``,
+    `impl` coming from ``deep_gemm/impls/<header>``; compiled once (disk-cached)."""
+    args = ", ".join(str(a) for a in template_args)
+    source = (
+        ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
+        f"#include <deep_gemm/impls/{header}>\n\n"
+        f'extern "C" __global__ void __launch_bounds__({num_threads}, 1)\n'
+        f"kernel(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
+        f"    deep_gemm::{impl}<{args}>(p);\n"
+        f"}}\n")
+    name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
+    return get_kernel(name, source, num_threads, smem_bytes)
+
+
 def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:
     """Packs a C struct {CUtensorMap maps[]; void* ptrs[]; uint32_t ints[];} (128-byte aligned)."""
     data = b"".join(tensor_maps) + struct.pack(f"<{len(pointers)}Q{len(ints)}I", *pointers, *ints)

@@ -1,7 +1,8 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-Version 0 composes the grouped GEMM kernels with PyTorch glue (row gather, SwiGLU, combine);
-the fused versions move that glue into the kernels' loads and epilogues. No host sync.
+Version 0 composes the grouped GEMM kernels and the combine kernel with PyTorch glue (row
+gather, SwiGLU); the fused versions move that glue into the kernels' loads and epilogues.
+No host sync.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..gemm import m_grouped_bf16_gemm_nt_contiguous
+from .combine import moe_combine_bf16
 from .layout import RoutingLayout, build_routing_layout
 
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
@@ -85,30 +87,18 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(h.dtype)
 
 
-def combine_slots(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """``out[t] = sum_k w[t, k] * rows[slot_row[t, k]]`` over valid slots (w = 1 if None), in
-    fp32 (fp64 for fp64 rows)."""
-    num_tokens, num_topk = layout.slot_row.shape
-    acc = compute_dtype(rows.dtype)
-    gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
-    # where, not a multiply: rows of empty slots were never written and may hold NaN
-    gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(acc)
-    if weights is None:
-        return gathered.sum(1)
-    return torch.einsum("tk,tkh->th", torch.where(layout.slot_valid, weights.to(acc), 0.0), gathered)
-
-
 def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward on a built layout; returns (y in fp32, h). Device- and dtype-agnostic given
-    the grouped GEMMs, so the orchestration is testable with emulated GEMMs."""
+                l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
+    dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     xs = x.index_select(0, layout.row_token)
     h = x.new_empty(num_slots, two_inter)
     m_grouped_bf16_gemm_nt_contiguous(xs, l1, h, layout.offsets)
     out = x.new_empty(num_slots, hidden)
     m_grouped_bf16_gemm_nt_contiguous(swiglu(h), l2, out, layout.offsets)
-    return combine_slots(out, layout, topk_weights), h
+    moe_combine_bf16(out, layout, topk_weights, y)
+    return h
 
 
 def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
@@ -140,10 +130,10 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         raise ValueError("bf16_mega_moe runs on CUDA tensors")
     if y is None:
         y = x.new_empty(num_tokens, hidden)
-    elif y.dtype != torch.bfloat16 or tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
-        raise ValueError(f"y must be a bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
+    elif (y.dtype != torch.bfloat16 or tuple(y.shape) != (num_tokens, hidden) or y.device != x.device
+          or not y.is_contiguous()):
+        raise ValueError(f"y must be a contiguous bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
     check_expert_ids(topk_idx, num_experts, check_ids)
     layout = build_routing_layout(topk_idx, topk_weights, num_experts)
-    out, h = moe_forward(x, layout, topk_weights, l1, l2)
-    y.copy_(out)
+    h = moe_forward(x, layout, topk_weights, l1, l2, y)
     return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)

@@ -31,3 +31,14 @@ def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
     for g, (start, end) in enumerate(_bounds(group_offsets)):
         out = a[start:end].to(torch.float64).T @ b[start:end].to(torch.float64)
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
+
+
+def moe_combine(rows, layout, weights, out):
+    """Emulates `deep_gemm.moe.combine.moe_combine_bf16` (in float64)."""
+    num_tokens, num_topk = layout.slot_row.shape
+    gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
+    gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(torch.float64)
+    w = torch.ones(num_tokens, num_topk, dtype=torch.float64, device=rows.device) if weights is None else weights.to(torch.float64)
+    w = torch.where(layout.slot_valid, w, 0.0)
+    out.copy_(torch.einsum("tk,tkh->th", w, gathered))
+    return out
