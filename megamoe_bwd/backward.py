@@ -1,9 +1,9 @@
 """Mega MoE backward on one GPU, bf16.
 
-Data-gradient chain: gather dy rows -> dA = dy @ l2[e] (m-grouped nn) -> routing-weight
-gradient <dA, a> and SwiGLU backward -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over
-the K slots. Weight gradients are K-grouped GEMMs on a side stream, overlapped with the
-chain: dl2 starts at once, dl1 as soon as dz exists.
+Data-gradient chain: gather dy rows (and w * dy) -> dA = dy @ l2[e] (m-grouped nn) ->
+one pass for the SwiGLU backward, the activation and the routing-weight gradient <dA, a> ->
+dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots. The weight gradients
+(K-grouped GEMMs) run on a side stream beside the dx GEMM and combine.
 """
 from __future__ import annotations
 
@@ -13,17 +13,8 @@ from typing import Optional
 import torch
 
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
-from deep_gemm.moe.combine import moe_combine_bf16
-from deep_gemm.moe.forward import MegaMoEHandle, compute_dtype, swiglu
-
-
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """d[gate | up] of ``a = silu(gate) * up`` given ``da`` (fp32), in h's dtype."""
-    gate, up = h.to(da.dtype).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    dgate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    return torch.cat([dgate, da * silu], dim=-1).to(h.dtype)
+from deep_gemm.moe.forward import MegaMoEHandle
+from deep_gemm.moe.glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
 
 
 def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int], dtype: torch.dtype,
@@ -48,8 +39,8 @@ def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     return _side_streams[device]
 
 
-def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *, weight_grad_dtype: torch.dtype = torch.float32,
-                      dl1: Optional[torch.Tensor] = None, dl2: Optional[torch.Tensor] = None
+def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
+                      weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None, dl2: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
@@ -72,7 +63,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     if weight_grad_dtype not in (torch.float32, torch.bfloat16) and x.is_cuda:
         raise TypeError(f"weight_grad_dtype must be float32 or bfloat16, got {weight_grad_dtype}")
     dy = dy.contiguous()
-    offsets, row_weight = layout.offsets, layout.row_weight.unsqueeze(-1)
+    offsets = layout.offsets
     l1_shape, l2_shape = (num_experts, two_inter, hidden), (num_experts, hidden, two_inter // 2)
 
     dl1, accumulate_dl1 = _weight_grad_output(dl1, l1_shape, weight_grad_dtype, x.device)
@@ -82,31 +73,23 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     side = _side_stream(x.device)
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
-    dys = dy.index_select(0, layout.row_token)
-    act = swiglu(h)
-    acc = compute_dtype(dy.dtype)
-    dys_weighted = (dys.to(acc) * row_weight).to(dy.dtype)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
-    with on_side:  # dl2[e] = (w * dy)_e^T @ a_e: needs nothing from the chain below
-        k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
-
-    d_act = torch.empty_like(act)
+    dys, dys_weighted = moe_gather_rows_bf16(dy, layout)
+    d_act = dys.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)  # dy @ l2[e]
-    row_dw = (d_act.to(acc) * act.to(acc)).sum(-1, keepdim=True)  # dL/dw of each routed row
-    dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
-                                .view_as(layout.slot_row), 0.0)
-    dz = swiglu_backward(h, d_act.to(acc) * row_weight)
-
+    dz, act, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
     xs = x.index_select(0, layout.row_token)
+
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
-    with on_side:  # dl1[e] = dz_e^T @ x_e
+    with on_side:  # dl2[e] = (w * dy)_e^T @ act_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
+        k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
         k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
 
     dxs = torch.empty_like(dys)
     m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
     dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+    dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
+                                .view_as(layout.slot_row), 0.0)
 
     if side is not None:
         torch.cuda.current_stream(x.device).wait_stream(side)

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
-from deep_gemm.moe import combine  # noqa: E402
+from deep_gemm.moe import glue  # noqa: E402
 from deep_gemm.jit import compile_cubin  # noqa: E402
 from deep_gemm.jit.compiler import cache_key, nvcc_path  # noqa: E402
 
@@ -40,7 +40,7 @@ def all_kernels():
             for accumulate in (False, True):
                 out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
                             lambda c=config, t=dtype, a=accumulate: k_grouped_bf16.get_kernel(c, t, a)))
-    out.append(("moe_combine", combine._kernel))
+    out += glue.all_kernels()
     return out
 
 

@@ -43,7 +43,10 @@ ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac)
 def emulated_gemms(monkeypatch):
     monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_contiguous", emulate.m_grouped_gemm_nt)
     monkeypatch.setattr(moe_forward_module, "moe_combine_bf16", emulate.moe_combine)
+    monkeypatch.setattr(moe_forward_module, "moe_swiglu_fwd_bf16", emulate.moe_swiglu_fwd)
     monkeypatch.setattr(moe_backward_module, "moe_combine_bf16", emulate.moe_combine)
+    monkeypatch.setattr(moe_backward_module, "moe_swiglu_bwd_bf16", emulate.moe_swiglu_bwd)
+    monkeypatch.setattr(moe_backward_module, "moe_gather_rows_bf16", emulate.moe_gather_rows)
     monkeypatch.setattr(moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn)
     monkeypatch.setattr(moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn)
 
@@ -145,7 +148,7 @@ def test_accuracy_bar(label, T, H, I, E, K, routing, empty):
 @requires_sm90
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_kernel(weighted):
-    from deep_gemm.moe.combine import moe_combine_bf16
+    from deep_gemm.moe.glue import moe_combine_bf16
     topk_idx = make_moe_inputs(1000, 64, 64, 16, 6, device="cuda", empty_slot_frac=0.2)["topk_idx"]
     weights = torch.rand(1000, 6, device="cuda")
     layout = build_routing_layout(topk_idx, weights, 16)
@@ -156,6 +159,40 @@ def test_combine_kernel(weighted):
     expected = emulate.moe_combine(rows, layout, weights if weighted else None,
                                    torch.empty(1000, 1024, device="cuda", dtype=torch.float64))
     assert relative_error(out, expected) < 4e-3
+
+
+def _routed_layout(T=600, K=6, E=16, empty=0.2):
+    p = make_moe_inputs(T, 64, 64, E, K, device="cuda", empty_slot_frac=empty)
+    return build_routing_layout(p["topk_idx"], p["topk_weights"], E)
+
+
+@requires_sm90
+def test_swiglu_kernels():
+    from deep_gemm.moe.glue import moe_swiglu_bwd_bf16, moe_swiglu_fwd_bf16
+    layout = _routed_layout()
+    routed = int(layout.offsets[-1])
+    h = torch.randn(layout.num_slots, 2 * 768, device="cuda", dtype=torch.bfloat16)
+    d_act = torch.randn(layout.num_slots, 768, device="cuda", dtype=torch.bfloat16)
+    act = moe_swiglu_fwd_bf16(h, layout)
+    dz, act_bwd, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
+    ref_act = emulate.moe_swiglu_fwd(h.double(), layout)
+    ref_dz, _, ref_dw = emulate.moe_swiglu_bwd(h.double(), d_act.double(), layout)
+    assert relative_error(act[:routed], ref_act[:routed]) < 4e-3
+    assert torch.equal(act[:routed], act_bwd[:routed])
+    assert relative_error(dz[:routed], ref_dz[:routed]) < 4e-3
+    assert relative_error(row_dw[:routed], ref_dw[:routed]) < 1e-4
+
+
+@requires_sm90
+def test_gather_kernel():
+    from deep_gemm.moe.glue import moe_gather_rows_bf16
+    layout = _routed_layout()
+    routed = int(layout.offsets[-1])
+    src = torch.randn(600, 1024, device="cuda", dtype=torch.bfloat16)
+    out, out_weighted = moe_gather_rows_bf16(src, layout)
+    ref, ref_weighted = emulate.moe_gather_rows(src.double(), layout)
+    assert torch.equal(out[:routed].double(), ref[:routed])
+    assert relative_error(out_weighted[:routed], ref_weighted[:routed]) < 4e-3
 
 
 @requires_sm90

@@ -1,8 +1,8 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-Version 0 composes the grouped GEMM kernels and the combine kernel with PyTorch glue (row
-gather, SwiGLU); the fused versions move that glue into the kernels' loads and epilogues.
-No host sync.
+Version 0 runs the grouped GEMMs and separate memory-bound kernels (SwiGLU, combine; the row
+gather is PyTorch's index_select); the fused versions move those into the GEMMs' loads and
+epilogues. No host sync.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..gemm import m_grouped_bf16_gemm_nt_contiguous
-from .combine import moe_combine_bf16
+from .glue import moe_combine_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout, build_routing_layout
 
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
@@ -76,17 +76,6 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, sync: bool) -> No
         torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {num_experts})")
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Elementwise math runs in fp32 (fp64 for fp64 inputs, as the CPU tests use)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``h = [gate | up]`` (``[n, 2I]``), computed in fp32, in h's dtype."""
-    gate, up = h.to(compute_dtype(h.dtype)).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
-
-
 def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
                 l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
@@ -96,7 +85,7 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
     h = x.new_empty(num_slots, two_inter)
     m_grouped_bf16_gemm_nt_contiguous(xs, l1, h, layout.offsets)
     out = x.new_empty(num_slots, hidden)
-    m_grouped_bf16_gemm_nt_contiguous(swiglu(h), l2, out, layout.offsets)
+    m_grouped_bf16_gemm_nt_contiguous(moe_swiglu_fwd_bf16(h, layout), l2, out, layout.offsets)
     moe_combine_bf16(out, layout, topk_weights, y)
     return h
 

@@ -1,7 +1,8 @@
-"""PyTorch emulations of the grouped GEMMs with the kernels' contract, in any dtype and on any
-device, so code built on the kernels can be tested on a CPU in float64. Rows outside every
-group are overwritten with NaN, standing in for the memory the kernels leave unwritten."""
+"""PyTorch emulations of the kernels with their contracts, in any dtype and on any device, so
+code built on them can be tested on a CPU in float64. Rows the kernels leave unwritten (outside
+every group, or past the routed rows) are filled with NaN here, so any leak shows."""
 import torch
+import torch.nn.functional as F
 
 
 def _bounds(group_offsets: torch.Tensor):
@@ -42,3 +43,37 @@ def moe_combine(rows, layout, weights, out):
     w = torch.where(layout.slot_valid, w, 0.0)
     out.copy_(torch.einsum("tk,tkh->th", w, gathered))
     return out
+
+
+def _routed(layout) -> int:
+    return int(layout.offsets[-1])
+
+
+def moe_swiglu_fwd(h, layout):
+    """Emulates `deep_gemm.moe.glue.moe_swiglu_fwd_bf16`."""
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    act[_routed(layout):] = float("nan")
+    return act
+
+
+def moe_swiglu_bwd(h, d_act, layout):
+    """Emulates `deep_gemm.moe.glue.moe_swiglu_bwd_bf16`."""
+    gate, up = h.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    act = gate * sig * up
+    da = d_act * layout.row_weight.to(d_act.dtype).unsqueeze(-1)
+    dz = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1)
+    row_dw = (d_act * act).sum(-1)
+    for t in (dz, act, row_dw):
+        t[_routed(layout):] = float("nan")
+    return dz, act, row_dw
+
+
+def moe_gather_rows(src, layout):
+    """Emulates `deep_gemm.moe.glue.moe_gather_rows_bf16`."""
+    out = src.index_select(0, layout.row_token)
+    out_weighted = out * layout.row_weight.to(src.dtype).unsqueeze(-1)
+    for t in (out, out_weighted):
+        t[_routed(layout):] = float("nan")
+    return out, out_weighted

@@ -5,6 +5,7 @@
 // a time; each thread owns 16-byte column chunks, so every row read is coalesced.
 #include <cstdint>
 #include <cuda_bf16.h>
+#include "../ptx/vec.cuh"
 
 namespace deep_gemm {
 
@@ -19,7 +20,7 @@ struct MoECombineParams {
 
 template <uint32_t kNumThreads>
 __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
-    constexpr uint32_t kVec = 8;  // bf16 per 16-byte chunk
+    constexpr uint32_t kVec = ptx::kBF16PerVec;
     const uint32_t num_chunks = p.hidden / kVec;
     for (uint32_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
         for (uint32_t chunk = threadIdx.x; chunk < num_chunks; chunk += kNumThreads) {
@@ -29,22 +30,13 @@ __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
                 if (not p.slot_valid[slot])
                     continue;
                 const float w = p.weights != nullptr ? p.weights[slot] : 1.0f;
-                const auto* row = reinterpret_cast<const uint4*>(p.rows + p.slot_row[slot] * p.hidden);
-                const uint4 raw = __ldg(row + chunk);
-                const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+                float v[kVec];
+                ptx::load_bf16x8(p.rows + p.slot_row[slot] * p.hidden + chunk * kVec, v);
                 #pragma unroll
-                for (uint32_t i = 0; i < kVec / 2; ++i) {
-                    const float2 v = __bfloat1622float2(pairs[i]);
-                    acc[2 * i] += w * v.x;
-                    acc[2 * i + 1] += w * v.y;
-                }
+                for (uint32_t i = 0; i < kVec; ++i)
+                    acc[i] += w * v[i];
             }
-            uint4 packed;
-            auto* out_pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-            #pragma unroll
-            for (uint32_t i = 0; i < kVec / 2; ++i)
-                out_pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-            reinterpret_cast<uint4*>(p.out + static_cast<uint64_t>(token) * p.hidden)[chunk] = packed;
+            ptx::store_bf16x8(p.out + static_cast<uint64_t>(token) * p.hidden + chunk * kVec, acc);
         }
     }
 }

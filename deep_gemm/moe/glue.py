@@ -1,0 +1,115 @@
+"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh): the row
+gather with a weighted copy, SwiGLU forward, SwiGLU backward with the routing-weight
+gradient, and the weighted combine. All bf16 with fp32 math, 16-byte accesses, no host sync
+(routed-row counts are read on the GPU), deterministic (no atomics)."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..jit.runtime import build_kernel, pack_params
+from ..utils import get_num_sms
+from .layout import RoutingLayout
+
+
+# kernel (impls/<name>.cuh, entry <name>_impl) -> (parameter struct, threads per CTA, CTAs per SM)
+_KERNELS = {
+    "moe_combine": ("MoECombineParams", 256, 8),
+    "moe_swiglu_fwd": ("MoESwiGLUFwdParams", 256, 8),
+    "moe_swiglu_bwd": ("MoESwiGLUBwdParams", 128, 16),
+    "moe_gather_rows": ("MoEGatherRowsParams", 256, 8),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
+    params_type, num_threads, _ = _KERNELS[name]
+    return build_kernel(f"{name}.cuh", params_type, f"{name}_impl", [num_threads], num_threads, 0)
+
+
+def _launch(name: str, pointers: list[int], ints: list[int], device: int) -> None:
+    blocks_per_sm = _KERNELS[name][2]
+    _kernel(name).launch(pack_params([], pointers, ints), blocks_per_sm * get_num_sms(device), device)
+
+
+def all_kernels() -> list:
+    """(name, builder) of every glue kernel, for compile checks."""
+    return [(name, functools.partial(_kernel, name)) for name in _KERNELS]
+
+
+def _num_rows_ptr(layout: RoutingLayout) -> int:
+    """Address of offsets[E], the routed-row count, which the kernels read on the GPU."""
+    return layout.offsets.data_ptr() + 4 * (layout.offsets.numel() - 1)
+
+
+def _check_bf16(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cuda:
+            raise ValueError(f"{name} must be a contiguous bf16 CUDA tensor")
+
+
+def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],
+                     out: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_{valid k} w[t, k] * rows[slot_row[t, k]]`` (w = 1 if `weights` is None).
+
+    rows ``[T * K, H]`` bf16 in routed-row order (rows of empty slots are never read), out
+    ``[T, H]`` bf16, weights ``[T, K]`` (summed in fp32). H must be a multiple of 8.
+    """
+    num_tokens, num_topk = layout.slot_row.shape
+    hidden = rows.shape[1]
+    _check_bf16(rows=rows, out=out)
+    if tuple(out.shape) != (num_tokens, hidden) or hidden % 8:
+        raise ValueError(f"out must be [{num_tokens}, {hidden}] with H a multiple of 8")
+    if num_tokens == 0:
+        return out
+    if weights is not None:
+        weights = weights.to(torch.float32).contiguous()
+    _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
+                                 0 if weights is None else weights.data_ptr(), out.data_ptr()],
+            [num_tokens, hidden, num_topk], rows.device.index)
+    return out
+
+
+def moe_swiglu_fwd_bf16(h: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
+    """``act = silu(h[:, :I]) * h[:, I:]`` (``[T * K, I]``) for the routed rows of ``h [T * K, 2I]``."""
+    _check_bf16(h=h)
+    inter = h.shape[1] // 2
+    act = h.new_empty(h.shape[0], inter)
+    if h.shape[0]:
+        _launch("moe_swiglu_fwd", [h.data_ptr(), act.data_ptr(), _num_rows_ptr(layout)], [inter], h.device.index)
+    return act
+
+
+def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayout
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SwiGLU backward of the routed rows, one pass.
+
+    Given ``h = [g | u]`` ``[T * K, 2I]`` and ``d_act = dy @ l2[e]`` ``[T * K, I]`` (before the
+    routing weight), returns ``(dz [T * K, 2I], act [T * K, I], row_dw [T * K] fp32)`` with
+    ``act = silu(g) * u``, ``row_dw = <d_act, act>`` (the routing-weight gradient of each
+    row) and ``dz`` the gradient of ``[g | u]`` for ``w * d_act``.
+    """
+    _check_bf16(h=h, d_act=d_act)
+    rows, inter = d_act.shape
+    dz, act = torch.empty_like(h), torch.empty_like(d_act)
+    row_dw = torch.empty(rows, device=h.device, dtype=torch.float32)
+    if rows:
+        _launch("moe_swiglu_bwd", [h.data_ptr(), d_act.data_ptr(), layout.row_weight.data_ptr(), dz.data_ptr(),
+                                        act.data_ptr(), row_dw.data_ptr(), _num_rows_ptr(layout)],
+                [inter], h.device.index)
+    return dz, act, row_dw
+
+
+def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src[row_token], row_weight * src[row_token])``, both ``[T * K, H]`` bf16, one pass."""
+    _check_bf16(src=src)
+    hidden = src.shape[1]
+    out = src.new_empty(layout.num_slots, hidden)
+    out_weighted = torch.empty_like(out)
+    if layout.num_slots:
+        _launch("moe_gather_rows", [src.data_ptr(), layout.row_token.data_ptr(), layout.row_weight.data_ptr(),
+                                         out.data_ptr(), out_weighted.data_ptr(), _num_rows_ptr(layout)],
+                [hidden], src.device.index)
+    return out, out_weighted
