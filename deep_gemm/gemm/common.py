@@ -37,8 +37,8 @@ def make_config(block_n: int, async_store: bool, epilogue_bytes: int) -> GemmCon
 
 
 def row_staging_bytes(block_n: int, elem_bytes: int) -> int:
-    """Mirrors epilogue::RowStaging: two warpgroups x 64 rows x (block_n elements + 16 bytes)."""
-    return 2 * 64 * (block_n * elem_bytes + 16)
+    """Mirrors epilogue::RowStaging: two warpgroups x 64 rows x (one <= 256-byte column chunk + 16 bytes)."""
+    return 2 * 64 * (min(block_n * elem_bytes, 256) + 16)
 
 
 def build_gemm_kernel(header: str, params_type: str, impl: str, template_args: list, smem_bytes: int) -> Kernel:

@@ -10,7 +10,7 @@ from ..jit.runtime import pack_params
 from ..jit.tma import make_tma_2d_desc
 from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
                      print_configs_enabled)
-from .common import BLOCK_K, BLOCK_M, SMEM_LIMIT, GemmConfig, build_gemm_kernel, make_config, row_staging_bytes
+from .common import BLOCK_K, BLOCK_M, GemmConfig, build_gemm_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
 _OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
@@ -29,14 +29,8 @@ def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
 
 def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
     """Every variant a caller may pass as `config` for this output dtype."""
-    configs = []
-    for block_n in _BLOCK_NS:
-        for async_store in (False, True):
-            # fp32 staging of a 256-wide tile leaves no room for two pipeline stages
-            if async_store and row_staging_bytes(block_n, out_dtype.itemsize) > SMEM_LIMIT // 2:
-                continue
-            configs.append(make_k_grouped_config(block_n, out_dtype, async_store))
-    return configs
+    return [make_k_grouped_config(block_n, out_dtype, async_store) for block_n in _BLOCK_NS
+            for async_store in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)

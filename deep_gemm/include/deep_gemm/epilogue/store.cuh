@@ -89,53 +89,63 @@ __device__ __forceinline__ void store_direct(const float (&acc)[BLOCK_N / 2], Ou
     }
 }
 
-// Shared memory one warpgroup needs for `store_rows_async`: 64 rows of BLOCK_N OutT, each
-// padded by 16 bytes so the 8 rows a warp writes at once fall on different banks.
+// Shared memory one warpgroup needs for `store_rows_async`: 64 rows of one column chunk
+// (256 bytes: 128 bf16 or 64 fp32 columns), each padded by 16 bytes so the rows a warp writes
+// at once fall on different banks.
 template <uint32_t BLOCK_N, typename OutT>
 struct RowStaging {
-    static constexpr uint32_t kRowBytes = BLOCK_N * sizeof(OutT) + 16;
+    static constexpr uint32_t kChunkN = BLOCK_N < 256 / sizeof(OutT) ? BLOCK_N : 256 / sizeof(OutT);
+    static constexpr uint32_t kRowBytes = kChunkN * sizeof(OutT) + 16;
     static constexpr uint32_t kBytesPerWarpgroup = 64 * kRowBytes;
+    static_assert(BLOCK_N % kChunkN == 0);
 };
 
-// Asynchronous epilogue: accumulators go to shared memory, then one 1-D bulk copy per row
-// (or a bulk reduce-add with `kAccumulate`) drains them to global memory while the
-// warpgroup moves on to its next tile's MMAs. Only rows below `num_rows` and columns below
-// `num_cols` are written. The staging buffer is reused once the previous tile's copies have
-// read it. `barrier_id` names a barrier private to this warpgroup. Call
+// Asynchronous epilogue: each column chunk of the accumulators goes to shared memory, then one
+// 1-D bulk copy per row (a bulk reduce-add with `kAccumulate`) drains it to global memory.
+// The last chunk's copies overlap the warpgroup's next tile of MMAs; a chunk's staging is
+// reused once the copies before it have read it. Only rows below `num_rows` and columns
+// below `num_cols` are written. `barrier_id` names a barrier private to this warpgroup. Call
 // `store_rows_async_drain` before the kernel exits.
 template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
 __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
                                                  uint32_t barrier_id, OutT* d, uint32_t ld_d,
                                                  uint32_t num_rows, uint32_t num_cols) {
-    constexpr uint32_t kRowBytes = RowStaging<BLOCK_N, OutT>::kRowBytes;
+    using Layout = RowStaging<BLOCK_N, OutT>;
+    constexpr uint32_t kChunkN = Layout::kChunkN, kRowBytes = Layout::kRowBytes;
     const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
     const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
 
-    if (thread < 64)  // thread t copies row t
-        ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync(barrier_id, 128);
-
     #pragma unroll
-    for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
-        #pragma unroll
-        for (uint32_t half = 0; half < 2; ++half) {
-            uint8_t* ptr = staging + (row + half * 8) * kRowBytes + (j * 8 + col) * sizeof(OutT);
-            const float x = acc[j * 4 + half * 2], y = acc[j * 4 + half * 2 + 1];
-            if constexpr (std::is_same_v<OutT, float>)
-                ptx::st_shared_v2(ptr, x, y);
-            else
-                ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
-        }
-    }
-    ptx::fence_view_async_shared();  // the bulk copies read through the async proxy
-    ptx::named_barrier_sync(barrier_id, 128);
+    for (uint32_t chunk = 0; chunk < BLOCK_N / kChunkN; ++chunk) {
+        if (thread < 64)  // thread t copies row t
+            ptx::bulk_wait_group_read<0>();
+        ptx::named_barrier_sync(barrier_id, 128);
 
-    if (thread < min(num_rows, 64u)) {
-        const uint32_t bytes = min(num_cols, BLOCK_N) * static_cast<uint32_t>(sizeof(OutT));
-        ptx::bulk_store<OutT, kAccumulate>(d + static_cast<uint64_t>(thread) * ld_d, staging + thread * kRowBytes, bytes);
+        #pragma unroll
+        for (uint32_t j = 0; j < kChunkN / 8; ++j) {
+            const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
+            #pragma unroll
+            for (uint32_t half = 0; half < 2; ++half) {
+                uint8_t* ptr = staging + (row + half * 8) * kRowBytes + (j * 8 + col) * sizeof(OutT);
+                const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
+                if constexpr (std::is_same_v<OutT, float>)
+                    ptx::st_shared_v2(ptr, x, y);
+                else
+                    ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
+            }
+        }
+        ptx::fence_view_async_shared();  // the bulk copies read through the async proxy
+        ptx::named_barrier_sync(barrier_id, 128);
+
+        const uint32_t first_col = chunk * kChunkN;
+        if (thread < min(num_rows, 64u) and first_col < num_cols) {
+            const uint32_t bytes = min(num_cols - first_col, kChunkN) * static_cast<uint32_t>(sizeof(OutT));
+            ptx::bulk_store<OutT, kAccumulate>(d + static_cast<uint64_t>(thread) * ld_d + first_col,
+                                               staging + thread * kRowBytes, bytes);
+        }
+        if (thread < 64)
+            ptx::bulk_commit_group();
     }
-    if (thread < 64)
-        ptx::bulk_commit_group();
 }
 
 __device__ __forceinline__ void store_rows_async_drain() {
