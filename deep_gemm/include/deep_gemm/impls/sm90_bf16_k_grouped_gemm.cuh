@@ -33,14 +33,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const Smem smem{smem_buffer};
 
-    if (threadIdx.x == kNumMathThreads) {
-        ptx::prefetch_tma_descriptor(&p.tensor_map_a);
-        ptx::prefetch_tma_descriptor(&p.tensor_map_b);
-    }
-    if (threadIdx.x == 0)
-        smem.init_barriers();
-    __syncthreads();
-    DG_TRACE(4, 1);
+    start_gemm(smem, &p.tensor_map_a, &p.tensor_map_b);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
     typename Scheduler::Tile tile;

@@ -36,14 +36,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     const Smem smem{smem_buffer};
     const uint32_t num_k_blocks = ptx::ceil_div(p.k, BLOCK_K);
 
-    if (threadIdx.x == kNumMathThreads) {
-        ptx::prefetch_tma_descriptor(&p.tensor_map_a);
-        ptx::prefetch_tma_descriptor(&p.tensor_map_b);
-    }
-    if (threadIdx.x == 0)
-        smem.init_barriers();
-    __syncthreads();
-    DG_TRACE(4, 1);
+    start_gemm(smem, &p.tensor_map_a, &p.tensor_map_b);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n);
     typename Scheduler::Tile tile;

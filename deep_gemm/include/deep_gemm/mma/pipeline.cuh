@@ -3,6 +3,7 @@
 // stages filled by one TMA thread and drained by WGMMA warpgroups, handshaking on mbarriers.
 #include <cstdint>
 #include "../ptx/barrier.cuh"
+#include "../ptx/tma.cuh"
 #include "../ptx/trace.cuh"
 #include "../ptx/utils.cuh"
 #include "wgmma.cuh"
@@ -56,6 +57,21 @@ struct GemmSmem {
         ptx::fence_barrier_init();
     }
 };
+
+// Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
+// initialises the barriers, and the CTA syncs before any role touches them.
+template <typename Smem>
+__device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,
+                                           const CUtensorMap* tensor_map_b) {
+    if (threadIdx.x == kNumMathThreads) {
+        ptx::prefetch_tma_descriptor(tensor_map_a);
+        ptx::prefetch_tma_descriptor(tensor_map_b);
+    }
+    if (threadIdx.x == 0)
+        smem.init_barriers();
+    __syncthreads();
+    DG_TRACE(4, 1);
+}
 
 // One math warpgroup's mainloop over `num_k_blocks` stages into `acc` (64 x BLOCK_N).
 // `a_offset` selects the warpgroup's 64 rows inside the A tile. `before_mma(stage, k_block)`
