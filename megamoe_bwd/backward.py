@@ -81,16 +81,17 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
 
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
-    with on_side:  # dl2[e] = (w * dy)_e^T @ act_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
-        k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
-        k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
+    try:
+        with on_side:  # dl2[e] = (w * dy)_e^T @ act_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
+            k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
+            k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
 
-    dxs = torch.empty_like(dys)
-    m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
-    dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
-    dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
-                                .view_as(layout.slot_row), 0.0)
-
-    if side is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side)
+        dxs = torch.empty_like(dys)
+        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
+        dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+        dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
+                                    .view_as(layout.slot_row), 0.0)
+    finally:  # join even on an error, before the side stream's inputs can be freed
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
     return dx, dtopk_weights, dl1, dl2

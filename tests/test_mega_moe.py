@@ -54,7 +54,7 @@ def emulated_gemms(monkeypatch):
 @pytest.mark.parametrize("T,H,I,E,K,routing,empty", ORCHESTRATION_CASES)
 def test_orchestration_matches_reference(emulated_gemms, T, H, I, E, K, routing, empty):
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
-    p["topk_weights"] = p["topk_weights"].double()
+    p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
     y = torch.empty_like(p["x"])
     h = moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"], y)
@@ -65,6 +65,14 @@ def test_orchestration_matches_reference(emulated_gemms, T, H, I, E, K, routing,
     for name, out, expected in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), (y, dx, dw, dl1, dl2), (ref_y, *ref)):
         assert relative_error(out, expected) < 1e-10, name
     assert torch.all(dw[p["topk_idx"] < 0] == 0)
+
+
+def test_layout_of_non_contiguous_routing_is_contiguous():
+    topk_idx = torch.tensor([[2, 0, 1], [0, 1, -1], [1, 1, 0], [2, 2, 2]]).t().contiguous().t()
+    layout = build_routing_layout(topk_idx, torch.rand(4, 3, dtype=torch.float64).t().contiguous().t(), 3)
+    assert layout.slot_valid.is_contiguous() and layout.slot_row.is_contiguous()
+    assert layout.row_weight.dtype == torch.float32
+    assert torch.equal(layout.slot_valid, topk_idx >= 0)
 
 
 def test_layout_offsets_and_inverse():

@@ -45,9 +45,10 @@ def _num_rows_ptr(layout: RoutingLayout) -> int:
 
 
 def _check_bf16(**tensors: torch.Tensor) -> None:
+    # The kernels use 16-byte vector accesses on flat, contiguous rows.
     for name, t in tensors.items():
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cuda:
-            raise ValueError(f"{name} must be a contiguous bf16 CUDA tensor")
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cuda or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be a contiguous, 16-byte aligned bf16 CUDA tensor")
 
 
 def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],

@@ -18,8 +18,7 @@ class RoutingLayout:
     offsets:    int32 ``[E + 1]``: expert e owns routed rows ``[offsets[e], offsets[e + 1])``;
                 rows from ``offsets[E]`` on are empty slots.
     row_token:  int64 ``[T * K]``: the token of each routed row.
-    row_weight: float32 (or float64) ``[T * K]``: the routing weight of each routed row (0 on
-                empty slots).
+    row_weight: float32 ``[T * K]``: the routing weight of each routed row (0 on empty slots).
     slot_row:   int64 ``[T, K]``: the routed row of each (token, slot).
     slot_valid: bool ``[T, K]``: False on empty slots.
     """
@@ -39,13 +38,14 @@ def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
     """Sorts the (token, slot) pairs by expert, stably (token order within an expert, so the
     layout and every result built on it are deterministic)."""
     num_tokens, num_topk = topk_idx.shape
-    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # out-of-range ids act as empty (and are reported)
+    # Out-of-range ids act as empty (and are reported). Contiguous: kernels index it flat.
+    valid = ((topk_idx >= 0) & (topk_idx < num_experts)).contiguous()
     key = torch.where(valid, topk_idx, num_experts).flatten()  # empty slots sort last
     order = torch.argsort(key, stable=True)
     sorted_key = key.index_select(0, order)
     boundaries = torch.arange(num_experts + 1, device=key.device, dtype=key.dtype)
     offsets = torch.searchsorted(sorted_key, boundaries).to(torch.int32)
-    weights = topk_weights.flatten().to(torch.promote_types(topk_weights.dtype, torch.float32))
+    weights = topk_weights.flatten().to(torch.float32)  # the kernels read fp32
     row_weight = torch.where(sorted_key < num_experts, weights.index_select(0, order), 0.0)
     slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return RoutingLayout(offsets=offsets, row_token=order // num_topk, row_weight=row_weight,

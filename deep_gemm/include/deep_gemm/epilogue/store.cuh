@@ -105,7 +105,8 @@ struct RowStaging {
 // The last chunk's copies overlap the warpgroup's next tile of MMAs; a chunk's staging is
 // reused once the copies before it have read it. Only rows below `num_rows` and columns
 // below `num_cols` are written. `barrier_id` names a barrier private to this warpgroup. Call
-// `store_rows_async_drain` before the kernel exits.
+// `store_rows_async_drain` before the kernel exits. (Accumulating into bf16 rounds twice, the
+// staged value and the sum, where `store_direct` rounds once: within one bf16 ulp.)
 template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
 __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
                                                  uint32_t barrier_id, OutT* d, uint32_t ld_d,
