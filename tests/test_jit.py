@@ -75,6 +75,26 @@ def test_cache_hit_skips_compile(tmp_path, monkeypatch):
     assert cache_key("tiny", source) != cache_key("tiny", source + "\n")
 
 
+def _compile_in_subprocess(cache: str, source: str) -> str:
+    os.environ["DG_JIT_CACHE_DIR"] = cache
+    return str(compile_cubin("race", source))
+
+
+@requires_nvcc
+def test_concurrent_compiles_share_one_cache_entry(tmp_path):
+    # Several processes compiling the same new kernel at once: each gets a complete cubin,
+    # one entry lands in the cache, and no temporary directory is left behind.
+    import multiprocessing as mp
+    source = 'extern "C" __global__ void kernel(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+    with mp.get_context("spawn").Pool(4) as pool:
+        paths = pool.starmap(_compile_in_subprocess, [(str(tmp_path), source)] * 4)
+    assert len(set(paths)) == 1
+    entries = list((tmp_path / "cache").iterdir())
+    assert [e.name for e in entries] == [os.path.basename(os.path.dirname(paths[0]))]
+    cubin = open(paths[0], "rb").read()
+    assert cubin[:4] == b"\x7fELF"
+
+
 @requires_nvcc
 def test_ptxas_check_rejects_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
