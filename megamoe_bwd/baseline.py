@@ -28,7 +28,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm_moe"]
+__all__ = ["grouped_mm_moe", "expert_mlps"]
+
+
+def expert_mlps(xs: torch.Tensor, offs: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert MLPs of expert-sorted rows: ``xs [n, H]``, ``offs`` int32 ``[E]``
+    cumulative end rows (every row in some group), ``l1 [E, 2I, H]``, ``l2 [E, H, I]``."""
+    h = torch._grouped_mm(xs, l1.transpose(-2, -1), offs=offs)  # [n, 2I]
+    g, u = h.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(g) * u, l2.transpose(-2, -1), offs=offs)  # [n, H]
 
 
 def grouped_mm_moe(
@@ -58,7 +66,6 @@ def grouped_mm_moe(
     T, H = x.shape
     K = topk_idx.shape[1]
     E = l1.shape[0]
-    I = l2.shape[2]
 
     flat_idx = topk_idx.reshape(-1)  # pair p = t * K + k
     valid = flat_idx >= 0
@@ -71,10 +78,7 @@ def grouped_mm_moe(
 
     keep = valid[order].unsqueeze(-1)
     xs = torch.where(keep, x.index_select(0, token), 0)  # [n, H], expert-major
-    h = torch._grouped_mm(xs, l1.transpose(-2, -1), offs=offs)  # [n, 2I]
-    g, u = h[:, :I], h[:, I:]
-    a = F.silu(g) * u  # [n, I]
-    o = torch._grouped_mm(a, l2.transpose(-2, -1), offs=offs)  # [n, H]
+    o = expert_mlps(xs, offs, l1, l2)
 
     # where (not multiply by a mask) so the empty slots' weight gradient is exactly 0.
     w = torch.where(valid, topk_weights.reshape(-1), 0)

@@ -10,6 +10,11 @@ above the inputs, for
 and writes a PNG bar chart next to the table (`--plot`).
 
     python scripts/bench_mega_moe.py [--models 30b,235b,v3] [--routing uniform,skewed] [--plot PATH]
+
+With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
+TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`) and the compute-only
+time of each rank's expert MLPs, and reports per-GPU numbers (the slowest rank's median).
+Our expert-parallel path is not written yet.
 """
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch.distributed as dist  # noqa: E402
+
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
+from megamoe_bwd.ep import all_to_all_moe, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
@@ -70,7 +78,12 @@ def main() -> None:
     parser.add_argument("--models", default="30b,235b,v3")
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart of fwd+bwd ms here")
+    parser.add_argument("--num-processes", type=int, default=1, help="expert parallelism over this many GPUs")
+    parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
     args = parser.parse_args()
+    if args.num_processes > 1:
+        launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, backend="nccl")
+        return
 
     impls = {"ours": mega_moe, "torch": grouped_mm_moe}
     if liger_impl() is not None:
@@ -100,6 +113,47 @@ def main() -> None:
     print("\n" + "\n".join(lines))
     if args.plot:
         plot(results, args.plot)
+
+
+def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> None:
+    """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers."""
+    from megamoe_bwd.baseline import expert_mlps
+
+    def slowest(ms: float) -> float:
+        value = torch.tensor([ms], device="cuda")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.item()
+
+    if rank == 0:
+        print(f"EP over {world} x {torch.cuda.get_device_name()}; per-GPU numbers, slowest rank")
+        print(f"{'model':<5} {'route':<7} {'tokens':>6} {'impl':<16} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} "
+              f"{'TFLOPS/GPU':>10}", flush=True)
+    for model in models.split(","):
+        hidden, inter, experts, topk, default_tokens = MODELS[model]
+        for tokens in ([int(t) for t in tokens_arg.split(",")] if tokens_arg else [default_tokens]):
+            flops = 18 * tokens * topk * hidden * inter
+            for routing in routings.split(","):
+                p = make_moe_inputs(tokens, hidden, inter, experts, topk, device="cuda", routing=routing,
+                                    seed=1000 + rank)
+                local = slice(rank * experts // world, (rank + 1) * experts // world)
+                l1, l2 = p["l1"][local].clone(), p["l2"][local].clone()
+                inputs = [p["x"], p["topk_idx"], p["topk_weights"], l1, l2]
+                del p["l1"], p["l2"]
+                rows = torch.randn(tokens * topk, hidden, device="cuda", dtype=torch.bfloat16)
+                per_expert = tokens * topk // l1.shape[0]
+                offs = torch.arange(1, l1.shape[0] + 1, device="cuda", dtype=torch.int32) * per_expert
+                timings = {
+                    "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
+                    "compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
+                                                 torch.randn_like(rows)),
+                }
+                for name, (fwd, bwd, _) in timings.items():
+                    fwd, bwd = slowest(fwd), slowest(bwd)
+                    if rank == 0:
+                        print(f"{model:<5} {routing:<7} {tokens:>6} {name:<16} {fwd:>8.2f} {bwd:>8.2f} "
+                              f"{fwd + bwd:>8.2f} {flops / (fwd + bwd) / 1e9:>10.0f}", flush=True)
+                del inputs, rows
+                torch.cuda.empty_cache()
 
 
 def plot(results, path: str) -> None:
