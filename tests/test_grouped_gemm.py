@@ -66,14 +66,19 @@ def _config_id(config) -> str:
 M_CONFIGS = m_grouped_bf16.all_configs()
 
 
-def _run_m_grouped(spec, n, k, nn: bool, config):
+def _run_m_grouped(spec, n, k, nn: bool, config, gather: bool = False):
     sizes = _sizes(spec)
     m = sum(sizes) + 3  # 3 trailing rows belong to no group: must stay untouched
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    index = None
+    if gather:  # A's rows picked (with repeats) from a source matrix of another height
+        source = torch.randn(max(m // 3, 1), k, device="cuda", dtype=torch.bfloat16)
+        index = torch.randint(0, source.shape[0], (m,), device="cuda")
+        a = source[index]
     b = torch.randn(len(sizes), *((k, n) if nn else (n, k)), device="cuda", dtype=torch.bfloat16) / k**0.5
     d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     fn = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if nn else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
-    fn(a, b, d, offsets_from_sizes(sizes), config=config)
+    fn(source if gather else a, b, d, offsets_from_sizes(sizes), a_row_index=index, config=config)
     torch.cuda.synchronize()
     rows = sum(sizes)
     err = relative_error(d[:rows], _ref_m_grouped(a, b, sizes, nn)) if rows else 0.0
@@ -122,6 +127,16 @@ def test_k_grouped(spec, m, n, out_dtype, accumulate, config):
     sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
+@pytest.mark.parametrize("spec,n,k", [c for c in M_GROUPED_CASES if c[2] % 64 == 0])
+def test_m_grouped_gathered_rows(spec, n, k, nn, config):
+    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config, gather=True)
+    assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
+    assert untouched, "rows outside every group were written"
 
 
 @requires_sm90

@@ -33,8 +33,9 @@ def all_kernels():
 
     for config in m_grouped_bf16.all_configs():
         for mn_major in (False, True):
-            out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{tag(config)}",
-                        lambda c=config, mn=mn_major: m_grouped_bf16.get_kernel(c, mn)))
+            for gather in (False, True):
+                out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{tag(config)}{'_gather' if gather else ''}",
+                            lambda c=config, mn=mn_major, g=gather: m_grouped_bf16.get_kernel(c, mn, g)))
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):

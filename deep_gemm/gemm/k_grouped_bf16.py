@@ -36,9 +36,8 @@ def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
 @functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool):
     return build_gemm_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
-                        [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),
-                         str(config.async_store).lower()],
-                        config.smem_bytes)
+                             [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),
+                              str(config.async_store).lower()], config.smem_bytes)
 
 
 _printed: set = set()

@@ -38,24 +38,28 @@ def all_configs() -> list[GemmConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(config: GemmConfig, b_mn_major: bool):
+def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
     return build_gemm_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
-                        [config.block_n, config.num_stages, major, str(config.async_store).lower()],
-                        config.smem_bytes)
+                             [config.block_n, config.num_stages, major, str(config.async_store).lower(),
+                              str(gather_a).lower()], config.smem_bytes)
 
 
 _printed: set = set()
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
-            config: Optional[GemmConfig]) -> None:
+            config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor]) -> None:
     layout = "nn" if b_mn_major else "nt"
     check_tensor("a", a, torch.bfloat16, 2)
     check_tensor("b", b, torch.bfloat16, 3)
     check_tensor("d", d, torch.bfloat16, 2)
     num_groups = check_group_offsets(group_offsets)
-    m, k = a.shape
+    a_rows, k = a.shape
+    m = a_rows
+    if a_row_index is not None:
+        check_tensor("a_row_index", a_row_index, torch.int64, 1)
+        m = a_row_index.numel()
     if b_mn_major:
         g, k_b, n = b.shape
         check_multiple("K (nn layout: groups of B are stacked along K)", k, BLOCK_K)
@@ -69,33 +73,37 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         raise ValueError(f"d must have shape {(m, n)}, got {tuple(d.shape)}")
     check_multiple("K", k, 8)
     check_multiple("N", n, 8)
-    if max(m, n, k) >= 2**31 or g * max(n, k) >= 2**31:
+    if max(m, a_rows, n, k) >= 2**31 or g * max(n, k) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
     if config is not None and config not in all_configs():
         raise ValueError(f"unknown config {config}; pick one of all_configs()")
-    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
+    index = {} if a_row_index is None else {"a_row_index": a_row_index}
+    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **index)
     if m == 0 or n == 0 or num_groups == 0:
         return
-    if k == 0:
-        raise ValueError("K must be positive")
+    if k == 0 or a_rows == 0:
+        raise ValueError("K must be positive and a non-empty when rows are gathered from it")
 
     config = config or get_config(n)
     if print_configs_enabled() and (layout, m, n, k, g) not in _printed:
         _printed.add((layout, m, n, k, g))
         print(f"[deep_gemm] m_grouped_bf16_gemm_{layout}: M={m} N={n} K={k} G={g} -> {config}")
-    tma_a = make_tma_2d_desc(a, m, k, 64, BLOCK_M)
+    # A gathered row by row: single-row boxes (the kernel places each at its tile row).
+    tma_a = make_tma_2d_desc(a, a_rows, k, 64, BLOCK_M if a_row_index is None else 1)
     if b_mn_major:
         tma_b = make_tma_2d_desc(b, g * k, n, 64, BLOCK_K)
     else:
         tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n)
-    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr()], [m, n, k, num_groups])
+    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr(),
+                                          0 if a_row_index is None else a_row_index.data_ptr()], [m, n, k, num_groups])
     num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
-    get_kernel(config, b_mn_major).launch(params, num_sms, device.index)
+    get_kernel(config, b_mn_major, a_row_index is not None).launch(params, num_sms, device.index)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      group_offsets: torch.Tensor, *, config: Optional[GemmConfig] = None) -> None:
+                                      group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
+                                      config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g].T`` (MoE forward), in place into `d`.
 
     Args:
@@ -105,16 +113,20 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         group_offsets: ``[G + 1]`` int32 on the GPU: group g owns rows
             ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, M]``;
             sizes are arbitrary (zero, not multiples of any tile). Read on the GPU: no host sync.
+        a_row_index: optional int64 ``[M]``: row i of A is ``a[a_row_index[i]]``, gathered by the
+            kernel's loads (no permuted copy of `a`); `a` is then ``[T, K]`` for any T and `d`
+            has M rows. Indices outside ``[0, T)`` read zeros.
         config: force a kernel variant (one of `deep_gemm.gemm.m_grouped_bf16.all_configs()`);
             the default picks by N.
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
-    _launch(a, b, d, group_offsets, False, config)
+    _launch(a, b, d, group_offsets, False, config, a_row_index)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      group_offsets: torch.Tensor, *, config: Optional[GemmConfig] = None) -> None:
+                                      group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
+                                      config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g]`` (MoE data gradient), in place into `d`.
 
     Args:
@@ -123,8 +135,9 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             whose transpose is applied without a copy).
         d: ``[M, N]`` bf16 output. Only rows inside a group are written.
         group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
+        a_row_index: optional int64 ``[M]`` row gather of `a`, as in the nt version.
         config: force a kernel variant (one of `all_configs()`); the default picks by N.
 
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
-    _launch(a, b, d, group_offsets, True, config)
+    _launch(a, b, d, group_offsets, True, config, a_row_index)

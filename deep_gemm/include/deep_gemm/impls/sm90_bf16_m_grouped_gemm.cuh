@@ -1,6 +1,8 @@
 #pragma once
 // M-grouped bf16 GEMM on Hopper: D[rows of g] = A[rows of g] @ op(B[g]), groups of rows of A
-// back to back with arbitrary sizes (read on the GPU from `group_offsets`).
+// back to back with arbitrary sizes (read on the GPU from `group_offsets`). With kGatherA,
+// row i of A is row a_row_index[i] of the source matrix, gathered by the TMA loads (one
+// single-row copy per row, issued by the producer warp's 32 lanes).
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
 // Persistent and warp-specialised: one TMA producer thread, two WGMMA math warpgroups.
@@ -14,16 +16,17 @@
 namespace deep_gemm {
 
 struct MGroupedGemmParams {
-    CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows}
+    CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (kGatherA: the source rows, box {64, 1})
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     __nv_bfloat16* d;          // [M, N]
     const int* group_offsets;  // [G + 1]
+    const int64_t* a_row_index;  // [M] with kGatherA, else unused
     uint32_t m, n, k, num_groups;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
 // (epilogue::store_rows_async) instead of 16-byte stores by the math threads.
-template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore>
+template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
@@ -45,12 +48,31 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
         DG_TRACE(5, 1);
-        if (threadIdx.x != kNumMathThreads)
+        constexpr uint32_t kNumLoaders = kGatherA ? 32 : 1, kRowsPerLoader = kGatherA ? BLOCK_M / 32 : 1;
+        if (threadIdx.x >= kNumMathThreads + kNumLoaders)
             return;
+        const uint32_t lane = threadIdx.x - kNumMathThreads;
         while (scheduler.next(tile)) {
-            produce_k_blocks<kNumStages>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+            // Source rows of this lane's A rows (rows past the group are loaded but never stored).
+            int32_t a_rows[kRowsPerLoader];
+            if constexpr (kGatherA) {
+                #pragma unroll
+                for (uint32_t i = 0; i < kRowsPerLoader; ++i)
+                    a_rows[i] = static_cast<int32_t>(__ldg(p.a_row_index + min(tile.row_begin + lane + 32 * i, p.m - 1)));
+            }
+            produce_k_blocks<kNumStages, kGatherA>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = k_block * BLOCK_K;
-                ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.row_begin);
+                if constexpr (kGatherA) {
+                    // The 128-byte swizzle follows the shared-memory address, so single-row
+                    // copies at their row's offset build the same tile as one 128-row copy.
+                    #pragma unroll
+                    for (uint32_t i = 0; i < kRowsPerLoader; ++i)
+                        ptx::tma_load_2d(smem.a(stage) + (lane + 32 * i) * kSwizzleBytes, &p.tensor_map_a, bar, k, a_rows[i]);
+                    if (lane != 0)
+                        return;
+                } else {
+                    ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.row_begin);
+                }
                 if constexpr (kMajorB == Major::kKMajor) {
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.group * p.n + tile.n_begin);
                 } else {

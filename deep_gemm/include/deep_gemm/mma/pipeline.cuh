@@ -118,16 +118,20 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
         smem.empty(prev_stage)->arrive();
 }
 
-// The producer thread's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`
-// starts the TMA copies that fill it and complete on `bar`.
-template <uint32_t kNumStages, typename Smem, typename IssueLoads>
+// The producer's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`
+// starts the TMA copies that fill it and complete on `bar`. Run by one thread, or with
+// `kWarp` by a whole warp (lane 0 announces the stage's bytes, then every lane may copy).
+template <uint32_t kNumStages, bool kWarp = false, typename Smem, typename IssueLoads>
 __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  const IssueLoads& issue_loads) {
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
         DG_TRACE(0, 1000 + k_block);
         smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
         ptx::MBarrier* bar = smem.full(pipe.stage);
-        bar->arrive_and_expect_tx(Smem::kBytesPerStage);
+        if (not kWarp or ptx::lane_idx() == 0)
+            bar->arrive_and_expect_tx(Smem::kBytesPerStage);
+        if constexpr (kWarp)
+            __syncwarp();
         issue_loads(pipe.stage, k_block, bar);
         DG_TRACE(0, 2000 + k_block);
         pipe.template advance<kNumStages>();
