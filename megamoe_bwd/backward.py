@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
+from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
 from deep_gemm.moe.glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
 
@@ -73,9 +74,13 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     side = _side_stream(x.device)
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
-    dys, dys_weighted = moe_gather_rows_bf16(dy, layout)
-    d_act = dys.new_empty(layout.num_slots, l2.shape[2])
-    m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)  # dy @ l2[e]
+    fused_gather = moe_forward_module.FUSED_GATHER
+    dys, dys_weighted = moe_gather_rows_bf16(dy, layout, unweighted=not fused_gather)
+    d_act = dy.new_empty(layout.num_slots, l2.shape[2])
+    if fused_gather:  # dy @ l2[e], dy's rows gathered by the GEMM's loads
+        m_grouped_bf16_gemm_nn_contiguous(dy, l2, d_act, offsets, a_row_index=layout.row_token)
+    else:
+        m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)
     dz, act, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
     xs = x.index_select(0, layout.row_token)
 
@@ -86,7 +91,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
             k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
 
-        dxs = torch.empty_like(dys)
+        dxs = torch.empty_like(dys_weighted)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
         dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())

@@ -3,7 +3,8 @@
 For each standard shape (DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
 above the inputs, for
-    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
+    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with the
+             token-row gather fused into the GEMM loads and, as "ours, rows copied", without
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
+from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from megamoe_bwd.ep import all_to_all_moe, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
@@ -89,7 +91,7 @@ def main() -> None:
     if liger_impl() is not None:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    header = (f"{'model':<5} {'route':<7} {'impl':<6} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
+    header = (f"{'model':<5} {'route':<7} {'impl':<17} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
               f"{'vs torch':>8} {'peak GB':>8}")
     lines, results = [header], []
     print(header, flush=True)
@@ -100,10 +102,13 @@ def main() -> None:
             p = make_moe_inputs(tokens, hidden, inter, experts, topk, device="cuda", routing=routing, seed=0)
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             timings = {name: time_fwd_bwd(fn, inputs, p["dy"]) for name, fn in impls.items()}
+            moe_forward_module.FUSED_GATHER = False  # ours with the token rows copied before the GEMMs
+            timings["ours, rows copied"] = time_fwd_bwd(mega_moe, inputs, p["dy"])
+            moe_forward_module.FUSED_GATHER = True
             torch_total = sum(timings["torch"][:2])
             for name, (fwd, bwd, peak) in timings.items():
                 total = fwd + bwd
-                line = (f"{model:<5} {routing:<7} {name:<6} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
+                line = (f"{model:<5} {routing:<7} {name:<17} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
                         f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f}")
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))

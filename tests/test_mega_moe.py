@@ -51,8 +51,10 @@ def emulated_gemms(monkeypatch):
     monkeypatch.setattr(moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn)
 
 
+@pytest.mark.parametrize("fused_gather", [True, False], ids=["fused_gather", "copied_rows"])
 @pytest.mark.parametrize("T,H,I,E,K,routing,empty", ORCHESTRATION_CASES)
-def test_orchestration_matches_reference(emulated_gemms, T, H, I, E, K, routing, empty):
+def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused_gather):
+    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
@@ -201,6 +203,7 @@ def test_gather_kernel():
     ref, ref_weighted = emulate.moe_gather_rows(src.double(), layout)
     assert torch.equal(out[:routed].double(), ref[:routed])
     assert relative_error(out_weighted[:routed], ref_weighted[:routed]) < 4e-3
+    assert moe_gather_rows_bf16(src, layout, unweighted=False)[0] is None
 
 
 @requires_sm90

@@ -1,7 +1,7 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-Version 0 runs the grouped GEMMs and separate memory-bound kernels (SwiGLU, combine; the row
-gather is PyTorch's index_select); the fused versions move those into the GEMMs' loads and
+Version 0 runs the grouped GEMMs, with the token-row gather fused into their loads, and
+separate memory-bound kernels (SwiGLU, combine); later versions move those into the GEMMs'
 epilogues. No host sync.
 """
 from __future__ import annotations
@@ -17,6 +17,10 @@ from .layout import RoutingLayout, build_routing_layout
 
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
 DIM_MULTIPLE = 64
+
+# Gather token rows inside the GEMMs' loads (True) or into a permuted copy first (False);
+# both paths are kept so that benchmarks can compare them.
+FUSED_GATHER = True
 
 
 @dataclass
@@ -81,9 +85,11 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
     """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
-    xs = x.index_select(0, layout.row_token)
     h = x.new_empty(num_slots, two_inter)
-    m_grouped_bf16_gemm_nt_contiguous(xs, l1, h, layout.offsets)
+    if FUSED_GATHER:
+        m_grouped_bf16_gemm_nt_contiguous(x, l1, h, layout.offsets, a_row_index=layout.row_token)
+    else:
+        m_grouped_bf16_gemm_nt_contiguous(x.index_select(0, layout.row_token), l1, h, layout.offsets)
     out = x.new_empty(num_slots, hidden)
     m_grouped_bf16_gemm_nt_contiguous(moe_swiglu_fwd_bf16(h, layout), l2, out, layout.offsets)
     moe_combine_bf16(out, layout, topk_weights, y)

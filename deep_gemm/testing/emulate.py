@@ -10,21 +10,23 @@ def _bounds(group_offsets: torch.Tensor):
     return list(zip(offsets[:-1], offsets[1:]))
 
 
-def _m_grouped(a, b, d, group_offsets, transpose_b: bool):
+def _m_grouped(a, b, d, group_offsets, transpose_b: bool, a_row_index=None):
+    if a_row_index is not None:
+        a = a.index_select(0, a_row_index)
     d.fill_(float("nan"))
     for g, (start, end) in enumerate(_bounds(group_offsets)):
         w = b[g].T if transpose_b else b[g]
         d[start:end] = (a[start:end].to(torch.float64) @ w.to(torch.float64)).to(d.dtype)
 
 
-def m_grouped_gemm_nt(a, b, d, group_offsets, **_):
+def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_contiguous`."""
-    _m_grouped(a, b, d, group_offsets, transpose_b=True)
+    _m_grouped(a, b, d, group_offsets, True, a_row_index)
 
 
-def m_grouped_gemm_nn(a, b, d, group_offsets, **_):
+def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_contiguous`."""
-    _m_grouped(a, b, d, group_offsets, transpose_b=False)
+    _m_grouped(a, b, d, group_offsets, False, a_row_index)
 
 
 def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
@@ -70,10 +72,10 @@ def moe_swiglu_bwd(h, d_act, layout):
     return dz, act, row_dw
 
 
-def moe_gather_rows(src, layout):
+def moe_gather_rows(src, layout, unweighted=True):
     """Emulates `deep_gemm.moe.glue.moe_gather_rows_bf16`."""
     out = src.index_select(0, layout.row_token)
     out_weighted = out * layout.row_weight.to(src.dtype).unsqueeze(-1)
     for t in (out, out_weighted):
         t[_routed(layout):] = float("nan")
-    return out, out_weighted
+    return (out if unweighted else None), out_weighted

@@ -1,6 +1,7 @@
 #pragma once
 // Gathers rows into routed-row order, with a weighted copy alongside:
-//   out[r] = src[row_token[r]],   out_weighted[r] = row_weight[r] * src[row_token[r]]
+//   out[r] = src[row_token[r]] (skipped when out is null),
+//   out_weighted[r] = row_weight[r] * src[row_token[r]]
 // for the routed rows r < *num_rows. bf16, 16-byte accesses, one pass over the source rows.
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -12,7 +13,7 @@ struct MoEGatherRowsParams {
     const __nv_bfloat16* src;    // [T, H]
     const int64_t* row_token;    // [R]
     const float* row_weight;     // [R]
-    __nv_bfloat16* out;          // [R, H]
+    __nv_bfloat16* out;          // [R, H], or null
     __nv_bfloat16* out_weighted; // [R, H]
     const int* num_rows;         // on the GPU: the routed-row count (the layout's offsets[E])
     uint32_t hidden;
@@ -31,7 +32,8 @@ __device__ __forceinline__ void moe_gather_rows_impl(const MoEGatherRowsParams& 
         #pragma unroll
         for (uint32_t i = 0; i < kVec; ++i)
             weighted[i] = w * v[i];
-        ptx::store_bf16x8(p.out + row * p.hidden + col, v);
+        if (p.out != nullptr)
+            ptx::store_bf16x8(p.out + row * p.hidden + col, v);
         ptx::store_bf16x8(p.out_weighted + row * p.hidden + col, weighted);
     }
 }
