@@ -82,14 +82,15 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     else:
         m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)
     dz, act, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    xs = x.index_select(0, layout.row_token)
+    # dl1's B operand: x's rows, gathered by the GEMM's loads or copied first
+    x_rows, x_index = (x, layout.row_token) if fused_gather else (x.index_select(0, layout.row_token), None)
 
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
     try:
         with on_side:  # dl2[e] = (w * dy)_e^T @ act_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
             k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
-            k_grouped_bf16_gemm_tn_contiguous(dz, xs, dl1, offsets, accumulate=accumulate_dl1)
+            k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
 
         dxs = torch.empty_like(dys_weighted)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]

@@ -98,11 +98,16 @@ def test_m_grouped(spec, n, k, nn, config):
     assert untouched, "rows outside every group were written"
 
 
-def _run_k_grouped(spec, m, n, out_dtype, accumulate, config):
+def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: bool = False):
     sizes = _sizes(spec)
     rows = sum(sizes)
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    index = None
+    if gather:  # B's rows picked (with repeats) from a source matrix of another height
+        source = torch.randn(max(rows // 3, 1), n, device="cuda", dtype=torch.bfloat16)
+        index = torch.randint(0, source.shape[0], (rows,), device="cuda")
+        b = source[index]
     offsets = offsets_from_sizes(sizes)
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
     if accumulate:
@@ -110,7 +115,8 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate, config):
         ref += d.float()
     else:
         d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
-    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, accumulate=accumulate, config=config)
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, source if gather else b, d, offsets, accumulate=accumulate,
+                                                b_row_index=index, config=config)
     torch.cuda.synchronize()
     return sizes, relative_error(d, ref)
 
@@ -137,6 +143,16 @@ def test_m_grouped_gathered_rows(spec, n, k, nn, config):
     sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config, gather=True)
     assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
     assert untouched, "rows outside every group were written"
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
+                         ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
+@pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES[:2] + K_GROUPED_CASES[4:])
+def test_k_grouped_gathered_rows(spec, m, n, out_dtype, accumulate, config):
+    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather=True)
+    tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
+    assert err < tol, f"sizes={sizes[:8]}... err={err}"
 
 
 @requires_sm90

@@ -39,8 +39,10 @@ def all_kernels():
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):
-                out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
-                            lambda c=config, t=dtype, a=accumulate: k_grouped_bf16.get_kernel(c, t, a)))
+                for gather in (False, True):
+                    out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
+                                f"{'_gather' if gather else ''}",
+                                lambda c=config, t=dtype, a=accumulate, g=gather: k_grouped_bf16.get_kernel(c, t, a, g)))
     out += glue.all_kernels()
     return out
 

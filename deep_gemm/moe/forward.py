@@ -129,6 +129,7 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
           or not y.is_contiguous()):
         raise ValueError(f"y must be a contiguous bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
     check_expert_ids(topk_idx, num_experts, check_ids)
+    x = x.contiguous()  # the GEMMs gather its rows with TMA
     layout = build_routing_layout(topk_idx, topk_weights, num_experts)
     h = moe_forward(x, layout, topk_weights, l1, l2, y)
     return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)

@@ -29,8 +29,10 @@ def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
     _m_grouped(a, b, d, group_offsets, False, a_row_index)
 
 
-def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
+def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, b_row_index=None, **_):
     """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
+    if b_row_index is not None:
+        b = b.index_select(0, b_row_index)
     for g, (start, end) in enumerate(_bounds(group_offsets)):
         out = a[start:end].to(torch.float64).T @ b[start:end].to(torch.float64)
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)

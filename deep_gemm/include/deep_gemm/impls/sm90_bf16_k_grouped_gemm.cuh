@@ -3,6 +3,8 @@
 // A [rows, M] and B [rows, N] with groups of rows back to back and arbitrary sizes (read on
 // the GPU from `group_offsets`); D [G, M, N] in fp32 or bf16, optionally accumulated into.
 // Both operands are MN-major. Persistent and warp-specialised like the M-grouped kernel.
+// With kGatherB, row r of B is row b_row_index[r] of the source matrix, gathered by the TMA
+// loads (single-row copies issued by the producer warp's 32 lanes).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/store.cuh"
@@ -14,15 +16,16 @@ namespace deep_gemm {
 
 struct KGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows}
-    CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows}
+    CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows} (kGatherB: the source rows, box {64, 1})
     void* d;                   // [G, M, N], OutT
     const int* group_offsets;  // [G + 1]
+    const int64_t* b_row_index;  // [rows] with kGatherB, else unused
     uint32_t m, n, rows, num_groups;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies (reduce-adds with kAccumulate) that
 // overlap the next tile's MMAs (epilogue::store_rows_async) instead of direct stores.
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore>
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kGatherB>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
@@ -42,18 +45,37 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
         DG_TRACE(5, 1);
-        if (threadIdx.x != kNumMathThreads)
+        constexpr uint32_t kNumLoaders = kGatherB ? 32 : 1;
+        if (threadIdx.x >= kNumMathThreads + kNumLoaders)
             return;
+        const uint32_t lane = threadIdx.x - kNumMathThreads;
         while (scheduler.next(tile)) {
             const uint32_t num_k_blocks = ptx::ceil_div(tile.k_end - tile.k_begin, BLOCK_K);
-            produce_k_blocks<kNumStages>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+            produce_k_blocks<kNumStages, kGatherB>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = tile.k_begin + k_block * BLOCK_K;
+                if constexpr (kGatherB) {
+                    // Each lane copies K rows `lane` and `lane + 32` of every 64-wide chunk of B;
+                    // the 128-byte swizzle follows the shared-memory address. Rows past the
+                    // group are zero-filled by the math warpgroups before use.
+                    #pragma unroll
+                    for (uint32_t i = 0; i < BLOCK_K / 32; ++i) {
+                        const uint32_t row = lane + 32 * i;
+                        const auto src = static_cast<int32_t>(__ldg(p.b_row_index + min(k + row, p.rows - 1)));
+                        #pragma unroll
+                        for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
+                            ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes + row * kSwizzleBytes, &p.tensor_map_b,
+                                             bar, tile.n_begin + j * 64, src);
+                    }
+                    if (lane != 0)
+                        return;
+                } else {
+                    #pragma unroll
+                    for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
+                        ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
+                }
                 #pragma unroll
                 for (uint32_t j = 0; j < BLOCK_M / 64; ++j)
                     ptx::tma_load_2d(smem.a(stage) + j * kMNChunkBytes, &p.tensor_map_a, bar, tile.m_begin + j * 64, k);
-                #pragma unroll
-                for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
-                    ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
             });
         }
     } else {
