@@ -71,7 +71,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_tensor("d", d, (torch.float32, torch.bfloat16), 3)
     num_groups = check_group_offsets(group_offsets)
     rows, m = a.shape
-    b_rows = rows
+    b_rows = b.shape[0]
     if b_row_index is not None:
         check_tensor("b_row_index", b_row_index, torch.int64, 1)
         b_rows = b_row_index.numel()
