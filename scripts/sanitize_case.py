@@ -1,4 +1,5 @@
-"""A small run of every grouped-GEMM kernel for compute-sanitizer (memcheck, racecheck)."""
+"""A small run of every kernel variant (grouped GEMMs with and without row gathers, the MoE
+layer forward and backward) for compute-sanitizer memcheck and racecheck."""
 import os
 import sys
 
@@ -9,20 +10,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
+from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
 sizes = [0, 1, 130, 64, 70]
 offsets = offsets_from_sizes(sizes)
 rows = sum(sizes)
 a = torch.randn(rows, 192, device="cuda", dtype=torch.bfloat16)
+index = torch.randint(0, rows, (rows,), device="cuda")
 b = torch.randn(len(sizes), 264, 192, device="cuda", dtype=torch.bfloat16)
 d = torch.empty(rows, 264, device="cuda", dtype=torch.bfloat16)
 for config in m_grouped_bf16.all_configs():
-    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets, config=config)
-    deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, b.view(len(sizes), 192, 264), d, offsets, config=config)
+    for row_index in (None, index):
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets, a_row_index=row_index, config=config)
+        deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, b.view(len(sizes), 192, 264), d, offsets,
+                                                    a_row_index=row_index, config=config)
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, config=config)
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=True, config=config)
+        for row_index in (None, index):
+            deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, b_row_index=row_index, config=config)
+            deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=True, b_row_index=row_index,
+                                                        config=config)
+
+p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
+y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 torch.cuda.synchronize()
 print("sanitize case done")
