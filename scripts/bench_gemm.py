@@ -3,6 +3,7 @@
 For each model (DESIGN.md's standard shapes) and routing (uniform, skewed), the six grouped
 GEMMs of one MoE layer's training step:
     fwd1   x @ l1[e].T        m-grouped nt   N = 2I, K = H
+           ("fwd1 gather": x's rows gathered by our loads vs index_select + torch._grouped_mm)
     fwd2   a @ l2[e].T        m-grouped nt   N = H,  K = I
     dgrad1 dz @ l1[e]         m-grouped nn   N = H,  K = 2I
     dgrad2 dy @ l2[e]         m-grouped nn   N = I,  K = H
@@ -45,6 +46,7 @@ def gemm_cases(hidden: int, inter: int):
         ("dgrad2", "nn", inter, hidden),
         ("wgrad1", "tn", 2 * inter, hidden),
         ("wgrad2", "tn", hidden, inter),
+        ("fwd1 gather", "ntg", 2 * inter, hidden),
     ]
 
 
@@ -53,7 +55,18 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
     ends = offsets[1:].contiguous()
-    if kind in ("nt", "nn"):
+    if kind == "ntg":  # rows gathered from 1/8 as many tokens: ours in the loads, torch by a copy
+        n, k = d1, d2
+        source = torch.randn(max(rows // 8, 1), k, device="cuda", dtype=torch.bfloat16)
+        index = torch.randint(0, source.shape[0], (rows,), device="cuda")
+        b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16)
+        d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        ours = lambda config=None: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(  # noqa: E731
+            source, b, d, offsets, a_row_index=index, config=config)
+        configs = m_grouped_bf16.all_configs()
+        theirs = lambda: torch._grouped_mm(source.index_select(0, index), b.transpose(1, 2), offs=ends)  # noqa: E731
+        flops = 2 * rows * n * k
+    elif kind in ("nt", "nn"):
         n, k = d1, d2
         a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(num_groups, *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
