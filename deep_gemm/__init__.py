@@ -7,6 +7,7 @@ from .gemm import (
     k_grouped_bf16_gemm_tn_contiguous,
     m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nt_swiglu_contiguous,
 )
 from .moe import bf16_mega_moe
 from .utils import get_num_sms, set_num_sms
@@ -31,5 +32,6 @@ __all__ = [
     "set_num_sms",
     "m_grouped_bf16_gemm_nt_contiguous",
     "m_grouped_bf16_gemm_nn_contiguous",
+    "m_grouped_bf16_gemm_nt_swiglu_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
 ]

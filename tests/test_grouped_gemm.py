@@ -156,6 +156,28 @@ def test_k_grouped_gathered_rows(spec, m, n, out_dtype, accumulate, config):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+@pytest.mark.parametrize("sizes,inter,k", [([0, 1, 127, 300, 1000], 128, 512), ("uniform", 768, 2048), ([5000], 256, 72)])
+def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather):
+    sizes = _sizes(sizes)
+    m = sum(sizes) + 3
+    source = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, m, (m,), device="cuda") if gather else None
+    a = source[index] if gather else source
+    b = torch.randn(len(sizes), 2 * inter, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    h = torch.full((m, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    act = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, h, act, offsets_from_sizes(sizes), a_row_index=index)
+    torch.cuda.synchronize()
+    rows = sum(sizes)
+    ref_h = _ref_m_grouped(a, b, sizes, False)
+    gate, up = ref_h.chunk(2, dim=-1)
+    assert relative_error(h[:rows], ref_h) < BF16_TOL
+    assert relative_error(act[:rows], torch.nn.functional.silu(gate) * up) < BF16_TOL
+    assert torch.isnan(h[rows:]).all() and torch.isnan(act[rows:]).all()
+
+
+@requires_sm90
 def test_deterministic():
     sizes = random_group_sizes(4096, 16, "skewed")
     a = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)

@@ -36,6 +36,9 @@ def all_kernels():
             for gather in (False, True):
                 out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{tag(config)}{'_gather' if gather else ''}",
                             lambda c=config, mn=mn_major, g=gather: m_grouped_bf16.get_kernel(c, mn, g)))
+    for gather in (False, True):
+        out.append((f"m_grouped_nt_swiglu{'_gather' if gather else ''}",
+                    lambda g=gather: m_grouped_bf16.get_kernel(m_grouped_bf16.SWIGLU_CONFIG, False, g, True)))
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):

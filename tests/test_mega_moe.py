@@ -42,6 +42,7 @@ ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac)
 @pytest.fixture
 def emulated_gemms(monkeypatch):
     monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_contiguous", emulate.m_grouped_gemm_nt)
+    monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_swiglu_contiguous", emulate.m_grouped_gemm_nt_swiglu)
     monkeypatch.setattr(moe_forward_module, "moe_combine_bf16", emulate.moe_combine)
     monkeypatch.setattr(moe_forward_module, "moe_swiglu_fwd_bf16", emulate.moe_swiglu_fwd)
     monkeypatch.setattr(moe_backward_module, "moe_combine_bf16", emulate.moe_combine)
@@ -51,10 +52,11 @@ def emulated_gemms(monkeypatch):
     monkeypatch.setattr(moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn)
 
 
-@pytest.mark.parametrize("fused_gather", [True, False], ids=["fused_gather", "copied_rows"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gather_swiglu", "separate_passes"])
 @pytest.mark.parametrize("T,H,I,E,K,routing,empty", ORCHESTRATION_CASES)
-def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused_gather):
-    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
+def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused):
+    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused)
+    monkeypatch.setattr(moe_forward_module, "FUSED_SWIGLU", fused)
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)

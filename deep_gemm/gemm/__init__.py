@@ -1,2 +1,6 @@
 from .k_grouped_bf16 import k_grouped_bf16_gemm_tn_contiguous
-from .m_grouped_bf16 import m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous
+from .m_grouped_bf16 import (
+    m_grouped_bf16_gemm_nn_contiguous,
+    m_grouped_bf16_gemm_nt_contiguous,
+    m_grouped_bf16_gemm_nt_swiglu_contiguous,
+)

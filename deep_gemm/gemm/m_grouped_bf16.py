@@ -38,19 +38,24 @@ def all_configs() -> list[GemmConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False):
+def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False, swiglu: bool = False):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
     return build_gemm_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
                              [config.block_n, config.num_stages, major, str(config.async_store).lower(),
-                              str(gather_a).lower()], config.smem_bytes)
+                              str(gather_a).lower(), str(swiglu).lower()], config.smem_bytes)
+
+
+# The SwiGLU epilogue's only variant: 256-wide tiles (128 gate + 128 up columns), staged stores.
+SWIGLU_CONFIG = make_m_grouped_config(256)
 
 
 _printed: set = set()
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
-            config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor]) -> None:
-    layout = "nn" if b_mn_major else "nt"
+            config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor],
+            act: Optional[torch.Tensor] = None) -> None:
+    layout = "nn" if b_mn_major else ("nt_swiglu" if act is not None else "nt")
     check_tensor("a", a, torch.bfloat16, 2)
     check_tensor("b", b, torch.bfloat16, 3)
     check_tensor("d", d, torch.bfloat16, 2)
@@ -71,14 +76,24 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         raise ValueError(f"contraction sizes differ: a has K = {k}, b has K = {k_b}")
     if tuple(d.shape) != (m, n):
         raise ValueError(f"d must have shape {(m, n)}, got {tuple(d.shape)}")
+    if act is not None:
+        check_tensor("act", act, torch.bfloat16, 2)
+        check_multiple("N = 2I (the SwiGLU epilogue pairs 128 gate with 128 up columns)", n, 256)
+        if tuple(act.shape) != (m, n // 2):
+            raise ValueError(f"act must have shape {(m, n // 2)}, got {tuple(act.shape)}")
+        if config is not None and config != SWIGLU_CONFIG:
+            raise ValueError(f"the SwiGLU epilogue runs only as {SWIGLU_CONFIG}")
+        config = SWIGLU_CONFIG
     check_multiple("K", k, 8)
     check_multiple("N", n, 8)
     if max(m, a_rows, n, k) >= 2**31 or g * max(n, k) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
     if config is not None and config not in all_configs():
         raise ValueError(f"unknown config {config}; pick one of all_configs()")
-    index = {} if a_row_index is None else {"a_row_index": a_row_index}
-    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **index)
+    extra = {} if a_row_index is None else {"a_row_index": a_row_index}
+    if act is not None:
+        extra["act"] = act
+    device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **extra)
     if m == 0 or n == 0 or num_groups == 0:
         return
     if k == 0 or a_rows == 0:
@@ -92,13 +107,13 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     tma_a = make_tma_2d_desc(a, a_rows, k, 64, BLOCK_M if a_row_index is None else 1)
     if b_mn_major:
         tma_b = make_tma_2d_desc(b, g * k, n, 64, BLOCK_K)
-    else:
-        tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n)
-    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr(),
+    else:  # the SwiGLU epilogue loads a tile's gate and up rows as two half-height boxes
+        tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n // (2 if act is not None else 1))
+    params = pack_params([tma_a, tma_b], [d.data_ptr(), 0 if act is None else act.data_ptr(), group_offsets.data_ptr(),
                                           0 if a_row_index is None else a_row_index.data_ptr()], [m, n, k, num_groups])
     num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
-    get_kernel(config, b_mn_major, a_row_index is not None).launch(params, num_sms, device.index)
+    get_kernel(config, b_mn_major, a_row_index is not None, act is not None).launch(params, num_sms, device.index)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -141,3 +156,23 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
     _launch(a, b, d, group_offsets, True, config, a_row_index)
+
+
+def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, act: torch.Tensor,
+                                             group_offsets: torch.Tensor, *,
+                                             a_row_index: Optional[torch.Tensor] = None) -> None:
+    """The MoE's first GEMM with SwiGLU in its epilogue: ``h = A @ B[g].T`` and
+    ``act = silu(h[:, :I]) * h[:, I:]`` (from the fp32 accumulators), per group of rows.
+
+    Args:
+        a: ``[M, K]`` bf16 (or any number of rows with `a_row_index`, as in the nt GEMM).
+        b: ``[G, 2I, K]`` bf16: rows ``[0, I)`` gate, ``[I, 2I)`` up of each group (natural
+            layout, no interleaving needed).
+        h: ``[M, 2I]`` bf16 output (GEMM result, gate then up columns).
+        act: ``[M, I]`` bf16 output.
+        group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
+        a_row_index: optional int64 ``[M]`` row gather of `a`.
+
+    Requires I a multiple of 128 and K a multiple of 8. Only rows inside a group are written.
+    """
+    _launch(a, b, h, group_offsets, False, None, a_row_index, act)

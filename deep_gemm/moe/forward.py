@@ -1,8 +1,7 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-Version 0 runs the grouped GEMMs, with the token-row gather fused into their loads, and
-separate memory-bound kernels (SwiGLU, combine); later versions move those into the GEMMs'
-epilogues. No host sync.
+Version 0 runs the grouped GEMMs, with the token-row gather fused into their loads and SwiGLU
+into GEMM1's epilogue, and a separate combine kernel. No host sync.
 """
 from __future__ import annotations
 
@@ -11,16 +10,18 @@ from typing import Optional
 
 import torch
 
-from ..gemm import m_grouped_bf16_gemm_nt_contiguous
+from ..gemm import m_grouped_bf16_gemm_nt_contiguous, m_grouped_bf16_gemm_nt_swiglu_contiguous
 from .glue import moe_combine_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout, build_routing_layout
 
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
 DIM_MULTIPLE = 64
 
-# Gather token rows inside the GEMMs' loads (True) or into a permuted copy first (False);
+# Gather token rows inside the GEMMs' loads (True) or into a permuted copy first (False), and
+# compute SwiGLU in GEMM1's epilogue (True, when I % 128 == 0) or in a separate pass (False);
 # both paths are kept so that benchmarks can compare them.
 FUSED_GATHER = True
+FUSED_SWIGLU = True
 
 
 @dataclass
@@ -86,12 +87,15 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
-    if FUSED_GATHER:
-        m_grouped_bf16_gemm_nt_contiguous(x, l1, h, layout.offsets, a_row_index=layout.row_token)
+    a, index = (x, layout.row_token) if FUSED_GATHER else (x.index_select(0, layout.row_token), None)
+    if FUSED_SWIGLU and two_inter % 256 == 0:
+        act = x.new_empty(num_slots, two_inter // 2)
+        m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)
     else:
-        m_grouped_bf16_gemm_nt_contiguous(x.index_select(0, layout.row_token), l1, h, layout.offsets)
+        m_grouped_bf16_gemm_nt_contiguous(a, l1, h, layout.offsets, a_row_index=index)
+        act = moe_swiglu_fwd_bf16(h, layout)
     out = x.new_empty(num_slots, hidden)
-    m_grouped_bf16_gemm_nt_contiguous(moe_swiglu_fwd_bf16(h, layout), l2, out, layout.offsets)
+    m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
     moe_combine_bf16(out, layout, topk_weights, y)
     return h
 

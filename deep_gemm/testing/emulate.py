@@ -29,6 +29,13 @@ def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
     _m_grouped(a, b, d, group_offsets, False, a_row_index)
 
 
+def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, **_):
+    """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous`."""
+    _m_grouped(a, b, h, group_offsets, True, a_row_index)
+    gate, up = h.chunk(2, dim=-1)
+    act.copy_(F.silu(gate) * up)
+
+
 def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, b_row_index=None, **_):
     """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
     if b_row_index is not None:

@@ -2,12 +2,16 @@
 // M-grouped bf16 GEMM on Hopper: D[rows of g] = A[rows of g] @ op(B[g]), groups of rows of A
 // back to back with arbitrary sizes (read on the GPU from `group_offsets`). With kGatherA,
 // row i of A is row a_row_index[i] of the source matrix, gathered by the TMA loads (one
-// single-row copy per row, issued by the producer warp's 32 lanes).
+// single-row copy per row, issued by the producer warp's 32 lanes). With kSwiGLU (the MoE's
+// first GEMM, B = l1 [G, 2I, K] with gate rows then up rows), each 256-wide tile holds 128
+// gate columns and the matching 128 up columns, and the epilogue writes both halves of
+// D = h [M, 2I] and also act = silu(gate) * up into d_aux [M, I].
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
 // Persistent and warp-specialised: one TMA producer thread, two WGMMA math warpgroups.
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include "../epilogue/activation.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/pipeline.cuh"
 #include "../ptx/tma.cuh"
@@ -19,6 +23,7 @@ struct MGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (kGatherA: the source rows, box {64, 1})
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     __nv_bfloat16* d;          // [M, N]
+    __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU, else unused
     const int* group_offsets;  // [G + 1]
     const int64_t* a_row_index;  // [M] with kGatherA, else unused
     uint32_t m, n, k, num_groups;
@@ -26,9 +31,11 @@ struct MGroupedGemmParams {
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
 // (epilogue::store_rows_async) instead of 16-byte stores by the math threads.
-template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA>
+template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA, bool kSwiGLU>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
+    static_assert(not kSwiGLU or (BLOCK_N == 256 and kMajorB == Major::kKMajor and not kAsyncStore),
+                  "the SwiGLU epilogue pairs 128 gate with 128 up columns, staged synchronously");
     constexpr uint32_t BLOCK_M = 128;
     constexpr uint32_t kStagingBytes = kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
                                                    : epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
@@ -73,7 +80,11 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
                 } else {
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.row_begin);
                 }
-                if constexpr (kMajorB == Major::kKMajor) {
+                if constexpr (kSwiGLU) {  // 128 gate rows of B, then the matching 128 up rows
+                    const uint32_t gate_row = tile.group * p.n + tile.n_begin / 2;
+                    ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, gate_row);
+                    ptx::tma_load_2d(smem.b(stage) + 128 * kSwizzleBytes, &p.tensor_map_b, bar, k, gate_row + p.n / 2);
+                } else if constexpr (kMajorB == Major::kKMajor) {
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.group * p.n + tile.n_begin);
                 } else {
                     #pragma unroll
@@ -95,7 +106,23 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
                 smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {});
             const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
             __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
-            if constexpr (kAsyncStore)
+            if constexpr (kSwiGLU) {
+                // Accumulators 0..63 hold the gate columns, 64..127 the up columns at the same
+                // positions (see mma/wgmma_bf16.cuh), so each thread pairs them in registers.
+                const float (&gate)[64] = *reinterpret_cast<const float (*)[64]>(acc);
+                const float (&up)[64] = *reinterpret_cast<const float (*)[64]>(acc + 64);
+                const uint32_t inter = p.n / 2, col = tile.n_begin / 2;
+                __nv_bfloat16* h = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + col;
+                epilogue::store_bf16_staged<128>(gate, staging, 1 + wg, h, p.n, num_rows, 128);
+                epilogue::store_bf16_staged<128>(up, staging, 1 + wg, h + inter, p.n, num_rows, 128);
+                float act[64];
+                #pragma unroll
+                for (uint32_t i = 0; i < 64; ++i)
+                    act[i] = epilogue::swiglu(gate[i], up[i]);
+                epilogue::store_bf16_staged<128>(act, staging, 1 + wg,
+                                                 p.d_aux + static_cast<uint64_t>(tile.row_begin + row) * inter + col,
+                                                 inter, num_rows, 128);
+            } else if constexpr (kAsyncStore)
                 epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
             else
                 epilogue::store_bf16_staged<BLOCK_N>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
