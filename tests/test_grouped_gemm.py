@@ -231,6 +231,24 @@ def test_m_grouped_rejects_bad_input(args, error, match):
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(*args)
 
 
+def test_row_index_must_be_int64():
+    with pytest.raises(TypeError, match="a_row_index must have dtype"):
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(_bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32), _offs(8),
+                                                    a_row_index=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="same number of rows"):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(3, 32), torch.zeros(1, 64, 32), _offs(8),
+                                                    b_row_index=torch.zeros(9, dtype=torch.int64))
+
+
+def test_swiglu_epilogue_shapes():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(_bf16(8, 64), _bf16(1, 128, 64), _bf16(8, 128),
+                                                           _bf16(8, 64), _offs(8))
+    with pytest.raises(ValueError, match="act must have shape"):
+        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(_bf16(8, 64), _bf16(1, 256, 64), _bf16(8, 256),
+                                                           _bf16(8, 64), _offs(8))
+
+
 def test_nn_needs_k_multiple_of_64():
     with pytest.raises(ValueError, match="multiple of 64"):
         deep_gemm.m_grouped_bf16_gemm_nn_contiguous(_bf16(8, 72), _bf16(1, 72, 32), _bf16(8, 32), _offs(8))
