@@ -75,15 +75,26 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 class MegaMoE(torch.nn.Module):
     """The experts of an MoE layer (SwiGLU MLPs) as one fused, differentiable op.
 
-    Holds ``l1 [E, 2I, H]`` (gate rows then up rows) and ``l2 [E, H, I]`` as bf16 parameters;
-    ``forward(x, topk_idx, topk_weights)`` runs `mega_moe`. Routing (the gate) stays outside.
+    Holds ``l1 [E_local, 2I, H]`` (gate rows then up rows) and ``l2 [E_local, H, I]`` as bf16
+    parameters; ``forward(x, topk_idx, topk_weights)`` runs `mega_moe`. Routing (the gate)
+    stays outside. With a process `group`, the `num_experts` experts are spread over its
+    ranks (rank r holds global experts ``[r * E_local, (r + 1) * E_local)``), `topk_idx` holds
+    global ids, and tokens travel to their experts' ranks and back; gradients of `x` and
+    `topk_weights` return to the token's rank, weight gradients stay with the expert's. (The
+    exchange is currently `all_to_all_single` over NCCL: `megamoe_bwd.ep.ep_mega_moe_nccl`.)
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
+                 group: "torch.distributed.ProcessGroup | None" = None):
         super().__init__()
+        self.group = group
+        world = torch.distributed.get_world_size(group) if group is not None else 1
+        if num_experts % world:
+            raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
         factory = dict(device=device, dtype=torch.bfloat16)
-        self.l1 = torch.nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))
-        self.l2 = torch.nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))
+        num_local = num_experts // world
+        self.l1 = torch.nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **factory))
+        self.l2 = torch.nn.Parameter(torch.empty(num_local, hidden, intermediate, **factory))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -92,4 +103,7 @@ class MegaMoE(torch.nn.Module):
             torch.nn.init.uniform_(weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2)
+        if self.group is None:
+            return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2)
+        from .ep.nccl import ep_mega_moe_nccl  # the EP package builds on this module
+        return ep_mega_moe_nccl(x, topk_idx, topk_weights, self.l1, self.l2, self.group)

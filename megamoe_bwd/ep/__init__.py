@@ -2,5 +2,6 @@
 rank e // E_local), tokens exchanged between ranks."""
 from .baseline import all_to_all_moe
 from .launch import launch
+from .nccl import ep_mega_moe_nccl
 
-__all__ = ["all_to_all_moe", "launch"]
+__all__ = ["all_to_all_moe", "ep_mega_moe_nccl", "launch"]

@@ -1,10 +1,8 @@
 """TorchTitan-style expert-parallel MoE: the baseline of the EP benchmarks and tests.
 
-Per rank: sort the (token, slot) pairs by expert, exchange the split sizes (a host sync),
-`all_to_all_single` the token rows to the ranks owning their experts, run the local experts
-with `torch._grouped_mm`, send the results back with the reverse all-to-all, and add them
-into token order with the routing weights. Differentiable through
-`all_to_all_single_autograd` (as TorchTitan uses).
+Per rank: dispatch the (token, slot) rows to the ranks owning their experts with
+`all_to_all_single`, run the local experts with `torch._grouped_mm`, combine back with the
+reverse all-to-all and the routing weights. Differentiable end to end.
 """
 from __future__ import annotations
 
@@ -12,9 +10,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from ..baseline import expert_mlps
+from .alltoall import combine, dispatch
 
 
 def all_to_all_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
@@ -29,33 +27,11 @@ def all_to_all_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
             ``rank * E_local + j``.
     """
     group = group or dist.group.WORLD
-    world = dist.get_world_size(group)
-    num_tokens, hidden = x.shape
-    num_topk, num_local = topk_idx.shape[1], l1.shape[0]
-
-    flat = topk_idx.reshape(-1)
-    slot = (flat >= 0).nonzero().squeeze(1)  # a host sync, like the split sizes below
-    expert = flat.index_select(0, slot)
-    order = torch.argsort(expert, stable=True)  # by destination rank, then local expert
-    slot, expert = slot.index_select(0, order), expert.index_select(0, order)
-
-    send_counts = torch.bincount(expert // num_local, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    num_recv = sum(recv_splits)
-
-    recv_rows = wait_tensor(all_to_all_single_autograd(x.index_select(0, slot // num_topk), recv_splits,
-                                                       send_splits, group))
-    recv_expert = expert.new_empty(num_recv)
-    dist.all_to_all_single(recv_expert, expert % num_local, recv_splits, send_splits, group=group)
-
+    num_local = l1.shape[0]
+    rows, expert, plan = dispatch(x, topk_idx, num_local, group)
     # Rows arrive grouped by source rank; regroup them by local expert for the grouped GEMMs.
-    local_order = torch.argsort(recv_expert, stable=True)
-    offs = torch.cumsum(torch.bincount(recv_expert, minlength=num_local), 0).to(torch.int32)
-    out_sorted = expert_mlps(recv_rows.index_select(0, local_order), offs, l1, l2)
-    out = torch.zeros_like(out_sorted).index_copy(0, local_order, out_sorted)
-
-    back = wait_tensor(all_to_all_single_autograd(out, send_splits, recv_splits, group))
-    weights = topk_weights.reshape(-1).index_select(0, slot).to(x.dtype).unsqueeze(-1)
-    return x.new_zeros(num_tokens, hidden).index_add(0, slot // num_topk, back * weights)
+    order = torch.argsort(expert, stable=True)
+    offs = torch.cumsum(torch.bincount(expert, minlength=num_local), 0).to(torch.int32)
+    out_sorted = expert_mlps(rows.index_select(0, order), offs, l1, l2)
+    out = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)
+    return combine(out, plan, topk_weights, x.shape[0], group)
