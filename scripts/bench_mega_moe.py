@@ -13,9 +13,10 @@ and writes a PNG bar chart next to the table (`--plot`).
     python scripts/bench_mega_moe.py [--models 30b,235b,v3] [--routing uniform,skewed] [--plot PATH]
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
-TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`) and the compute-only
-time of each rank's expert MLPs, and reports per-GPU numbers (the slowest rank's median).
-Our expert-parallel path is not written yet.
+TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our interim path
+(the same all-to-all exchange around our fused layer, `ep_mega_moe_nccl`) and the
+compute-only time of each rank's expert MLPs, and reports per-GPU numbers (the slowest
+rank's median). The built-in NVLink path is not written yet.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
-from megamoe_bwd.ep import all_to_all_moe, launch  # noqa: E402
+from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
@@ -149,6 +150,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                 offs = torch.arange(1, l1.shape[0] + 1, device="cuda", dtype=torch.int32) * per_expert
                 timings = {
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
+                    "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     "compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
                                                  torch.randn_like(rows)),
                 }
