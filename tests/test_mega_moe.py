@@ -71,6 +71,25 @@ def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E
     assert torch.all(dw[p["topk_idx"] < 0] == 0)
 
 
+def test_emulations_take_the_kernels_arguments():
+    # The CPU tests swap the kernels for emulations; a signature drift would hide GPU-only bugs.
+    import inspect
+    import deep_gemm.moe.glue as glue
+    pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
+             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
+             (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
+             (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
+             (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
+             (deep_gemm.k_grouped_bf16_gemm_tn_contiguous, emulate.k_grouped_gemm_tn)]
+    for kernel, emulation in pairs:
+        real, emulated = inspect.signature(kernel).parameters, inspect.signature(emulation).parameters
+        takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in emulated.values())
+        for name, param in real.items():
+            assert name in emulated or (takes_any_keyword and param.kind is param.KEYWORD_ONLY), (kernel, name)
+        for name, param in emulated.items():  # what callers may pass to the emulation, the kernel takes too
+            assert param.kind is param.VAR_KEYWORD or name in real, (kernel, name)
+
+
 def test_layout_of_non_contiguous_routing_is_contiguous():
     topk_idx = torch.tensor([[2, 0, 1], [0, 1, -1], [1, 1, 0], [2, 2, 2]]).t().contiguous().t()
     layout = build_routing_layout(topk_idx, torch.rand(4, 3, dtype=torch.float64).t().contiguous().t(), 3)

@@ -103,14 +103,16 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     return dz, act, row_dw
 
 
-def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src[row_token], row_weight * src[row_token])``, both ``[T * K, H]`` bf16, one pass."""
+def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout, unweighted: bool = True
+                         ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """``(src[row_token], row_weight * src[row_token])``, both ``[T * K, H]`` bf16, in one
+    pass; the first is None unless `unweighted`."""
     _check_bf16(src=src)
     hidden = src.shape[1]
-    out = src.new_empty(layout.num_slots, hidden)
-    out_weighted = torch.empty_like(out)
+    out_weighted = src.new_empty(layout.num_slots, hidden)
+    out = torch.empty_like(out_weighted) if unweighted else None
     if layout.num_slots:
         _launch("moe_gather_rows", [src.data_ptr(), layout.row_token.data_ptr(), layout.row_weight.data_ptr(),
-                                         out.data_ptr(), out_weighted.data_ptr(), _num_rows_ptr(layout)],
-                [hidden], src.device.index)
+                                    0 if out is None else out.data_ptr(), out_weighted.data_ptr(),
+                                    _num_rows_ptr(layout)], [hidden], src.device.index)
     return out, out_weighted
