@@ -15,8 +15,8 @@ and writes a PNG bar chart next to the table (`--plot`).
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our interim path
 (the same all-to-all exchange around our fused layer, `ep_mega_moe_nccl`) and the
-compute-only time of each rank's expert MLPs, and reports per-GPU numbers (the slowest
-rank's median). The built-in NVLink path is not written yet.
+compute-only time of each rank's expert MLPs (torch._grouped_mm on uniform groups), and
+reports per-GPU numbers (the slowest rank's median). The built-in NVLink path is not written yet.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                 timings = {
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
                     "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
-                    "compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
+                    "torch compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
                                                  torch.randn_like(rows)),
                 }
                 for name, (fwd, bwd, _) in timings.items():

@@ -138,8 +138,10 @@ def test_k_grouped(spec, m, n, out_dtype, accumulate, config):
 @requires_sm90
 @pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
-@pytest.mark.parametrize("spec,n,k", [c for c in M_GROUPED_CASES if c[2] % 64 == 0])
+@pytest.mark.parametrize("spec,n,k", M_GROUPED_CASES)
 def test_m_grouped_gathered_rows(spec, n, k, nn, config):
+    if nn and k % 64:
+        pytest.skip("nn layout needs K % 64 == 0")
     sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config, gather=True)
     assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
     assert untouched, "rows outside every group were written"
@@ -148,7 +150,7 @@ def test_m_grouped_gathered_rows(spec, n, k, nn, config):
 @requires_sm90
 @pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
                          ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
-@pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES[:2] + K_GROUPED_CASES[4:])
+@pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
 def test_k_grouped_gathered_rows(spec, m, n, out_dtype, accumulate, config):
     sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather=True)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL

@@ -30,8 +30,12 @@ CASES = {
     "rank 0 receives most": (lambda world: [24] * world, "rank0", 0.0),
     "a rank with no tokens": (lambda world: [0] + [40] * (world - 1), "skewed", 0.0),
 }
-IMPLS = {"all_to_all baseline": all_to_all_moe, "ours (nccl exchange)": ep_mega_moe_nccl}
-CPU_IMPLS = ("all_to_all baseline",)  # ours needs the GPU kernels
+IMPLS = {
+    "all_to_all baseline": all_to_all_moe,
+    "baseline, fp32 combine": lambda *args: all_to_all_moe(*args, deterministic_combine=True),
+    "ours (nccl exchange)": ep_mega_moe_nccl,
+}
+CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine")  # ours needs the GPU kernels
 
 
 def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: torch.dtype) -> dict:
@@ -89,7 +93,7 @@ def _run_all(rank: int, world: int, verbose: bool) -> None:
         for case in CASES:
             errors = _check_rank(rank, world, impl_name, case, device, tol)
             if verbose and rank == 0:
-                print(f"{impl_name:<20} {case:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+                print(f"{impl_name:<22} {case:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
 
 
 def test_ep_two_processes():

@@ -60,7 +60,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         accumulate: add into the existing `d` instead of overwriting it.
         b_row_index: optional int64 ``[R]``: row r of B is ``b[b_row_index[r]]``, gathered by the
             kernel's loads (no permuted copy of `b`); `b` is then ``[T, N]`` for any T.
-            Indices outside ``[0, T)`` read zeros.
+            Indices must lie in ``[0, 2**31)``; those outside ``[0, T)`` read zeros.
         config: force a kernel variant (one of
             `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default picks by N.
 

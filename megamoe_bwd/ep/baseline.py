@@ -16,7 +16,8 @@ from .alltoall import combine, dispatch
 
 
 def all_to_all_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                   l2: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                   l2: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                   deterministic_combine: bool = False) -> torch.Tensor:
     """This rank's ``y [T, H]`` of an MoE layer whose experts are spread over `group`.
 
     Args:
@@ -25,6 +26,8 @@ def all_to_all_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         topk_weights: ``[T, K]`` float routing weights.
         l1: ``[E_local, 2I, H]``, l2 ``[E_local, H, I]``: this rank's experts, global ids
             ``rank * E_local + j``.
+        deterministic_combine: sum the K slots in fp32 in a fixed order instead of TorchTitan's
+            weighted `index_add` in the output dtype.
     """
     group = group or dist.group.WORLD
     num_local = l1.shape[0]
@@ -34,4 +37,4 @@ def all_to_all_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     offs = torch.cumsum(torch.bincount(expert, minlength=num_local), 0).to(torch.int32)
     out_sorted = expert_mlps(rows.index_select(0, order), offs, l1, l2)
     out = torch.zeros_like(out_sorted).index_copy(0, order, out_sorted)
-    return combine(out, plan, topk_weights, x.shape[0], group)
+    return combine(out, plan, topk_weights, x.shape[0], group, deterministic=deterministic_combine)
