@@ -87,13 +87,14 @@ def _run_m_grouped(spec, n, k, nn: bool, config, gather: bool = False):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
 @pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("spec,n,k", M_GROUPED_CASES)
-def test_m_grouped(spec, n, k, nn, config):
+def test_m_grouped(spec, n, k, nn, config, gather):
     if nn and k % 64:
         pytest.skip("nn layout needs K % 64 == 0")
-    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config)
+    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config, gather)
     assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
     assert untouched, "rows outside every group were written"
 
@@ -128,31 +129,10 @@ K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfl
 @requires_sm90
 @pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
                          ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
-def test_k_grouped(spec, m, n, out_dtype, accumulate, config):
-    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config)
-    tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
-    assert err < tol, f"sizes={sizes[:8]}... err={err}"
-
-
-@requires_sm90
-@pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
-@pytest.mark.parametrize("nn", [False, True], ids=["nt", "nn"])
-@pytest.mark.parametrize("spec,n,k", M_GROUPED_CASES)
-def test_m_grouped_gathered_rows(spec, n, k, nn, config):
-    if nn and k % 64:
-        pytest.skip("nn layout needs K % 64 == 0")
-    sizes, err, untouched = _run_m_grouped(spec, n, k, nn, config, gather=True)
-    assert err < BF16_TOL, f"sizes={sizes[:8]}... err={err}"
-    assert untouched, "rows outside every group were written"
-
-
-@requires_sm90
-@pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
-                         ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
-@pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
-def test_k_grouped_gathered_rows(spec, m, n, out_dtype, accumulate, config):
-    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather=True)
+def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
+    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
 
