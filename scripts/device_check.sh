@@ -25,7 +25,7 @@ if has precompile; then
   python3 scripts/precompile.py > "$OUT/precompile.log" 2>&1 || tail -20 "$OUT/precompile.log"
 fi
 if has tests; then
-  timeout -s KILL 300 python3 -m pytest -q -x tests --timeout 60 --timeout-method=thread -p no:cacheprovider \
+  timeout -s KILL 420 python3 -m pytest -q -rf --maxfail=30 tests --timeout 60 --timeout-method=thread -p no:cacheprovider \
     2>&1 | tee "$OUT/pytest.log" | tail -15
 fi
 if has sass; then
