@@ -113,7 +113,7 @@ def trace_buffer() -> torch.Tensor:
 
 
 def _attach_trace(module) -> None:
-    address, size = check(cu.cuModuleGetGlobal(module, b"dg_trace"))
+    address, _ = check(cu.cuModuleGetGlobal(module, b"dg_trace"))
     pointer = ctypes.c_uint64(trace_buffer().data_ptr())  # pinned memory is device-addressable (UVA)
     check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
 
