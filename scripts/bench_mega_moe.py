@@ -47,7 +47,8 @@ def liger_impl():
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction  # type: ignore
     except ImportError:
         return None
-    return lambda x, idx, w, l1, l2: LigerFusedMoEFunction.apply(x, idx, w, l1, l2)
+    # Liger takes (x, gate_up_proj [E, 2I, H], down_proj [E, H, I], int32 top-k ids, weights).
+    return lambda x, idx, w, l1, l2: LigerFusedMoEFunction.apply(x, l1, l2, idx.to(torch.int32), w)
 
 
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
