@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
-from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
+from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
     "30b": (2048, 768, 128, 8, 16384),
@@ -146,6 +146,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    warm_up_gpu()
     header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
               f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
     if args.sweep:

@@ -4,7 +4,8 @@ For each standard shape (DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (median
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
 above the inputs, for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with the
-             token-row gather fused into the GEMM loads and, as "ours, rows copied", without
+             token rows copied before the GEMMs and, as "ours, fused gather", gathered by
+             the GEMMs' loads
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
+from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
@@ -89,10 +91,11 @@ def main() -> None:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, backend="nccl")
         return
 
-    impls = {"ours": mega_moe, "torch": grouped_mm_moe}
+    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe}
     if liger_impl() is not None:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    warm_up_gpu()
     header = (f"{'model':<5} {'route':<7} {'impl':<17} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
               f"{'vs torch':>8} {'peak GB':>8}")
     lines, results = [header], []
@@ -103,12 +106,12 @@ def main() -> None:
         for routing in args.routing.split(","):
             p = make_moe_inputs(tokens, hidden, inter, experts, topk, device="cuda", routing=routing, seed=0)
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
-            timings = {name: time_fwd_bwd(fn, inputs, p["dy"]) for name, fn in impls.items()}
-            moe_forward_module.FUSED_GATHER = False  # ours with the token rows copied before the GEMMs
-            timings["ours, rows copied"] = time_fwd_bwd(mega_moe, inputs, p["dy"])
-            moe_forward_module.FUSED_GATHER = True
-            torch_total = sum(timings["torch"][:2])
-            for name, (fwd, bwd, peak) in timings.items():
+            torch_total = None
+            for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
+                moe_forward_module.FUSED_GATHER = name == "ours, fused gather"
+                fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
+                moe_forward_module.FUSED_GATHER = False
+                torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<17} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
                         f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f}")

@@ -6,7 +6,8 @@
 # cached kernel, compute-sanitizer memcheck and racecheck on a small case, the GEMM benchmark
 # (BENCH_ARGS), the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot. Every step runs under a hard
 # timeout so a hung kernel cannot eat the device lease. Logs go under $OUT (or ./device_out);
-# the benchmark table is printed last.
+# the benchmark table is printed last. Benchmarks that outrun their limit get SIGABRT first, so
+# faulthandler prints where every thread stood.
 set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.jit_cache}
@@ -51,9 +52,9 @@ if has sanitizer; then
   done | tee "$OUT/sanitizer.log"
 fi
 if has bench; then
-  timeout -s KILL 400 python3 scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
+  timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
 fi
 if has moe_bench; then
-  timeout -s KILL 300 python3 scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
+  timeout -k 10 -s ABRT 300 python3 -X faulthandler scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_mega_moe.log" | tail -20
 fi

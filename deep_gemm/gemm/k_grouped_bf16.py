@@ -23,8 +23,10 @@ def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: boo
 
 @functools.lru_cache(maxsize=None)
 def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
-    """The variant the launcher picks for output width `n` and output dtype."""
-    return make_k_grouped_config(256 if n > 128 else 128, out_dtype)
+    """The variant the launcher picks for output width `n` and output dtype. bf16 outputs drain
+    through the asynchronous epilogue (measured 10-30% faster on an H200); fp32 outputs, whose
+    direct stores fill whole sectors, stay synchronous (the async variant measured slower)."""
+    return make_k_grouped_config(256 if n > 128 else 128, out_dtype, async_store=out_dtype == torch.bfloat16)
 
 
 def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
