@@ -52,9 +52,9 @@ if has sanitizer; then
   done | tee "$OUT/sanitizer.log"
 fi
 if has bench; then
-  timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
+  timeout -k 10 -s ABRT ${BENCH_LIMIT:-400} python3 -X faulthandler scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
 fi
 if has moe_bench; then
-  timeout -k 10 -s ABRT 300 python3 -X faulthandler scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
+  timeout -k 10 -s ABRT ${MOE_BENCH_LIMIT:-300} python3 -X faulthandler scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_mega_moe.log" | tail -20
 fi

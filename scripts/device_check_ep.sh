@@ -10,6 +10,6 @@ N=${NUM_PROCESSES:-2}
 nvidia-smi --query-gpu=index,name --format=csv,noheader
 nvidia-smi topo -m 2>&1 | head -5
 pip install -e . --no-deps --no-build-isolation -q 2>&1 | grep -v WARNING
-timeout -k 10 -s ABRT 300 python3 -X faulthandler tests/test_mega_moe_ep.py --num-processes "$N" 2>&1 | tee "$OUT/ep_test.log" | tail -8
-timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_mega_moe.py --num-processes "$N" ${EP_BENCH_ARGS:---models 30b --routing uniform} \
+timeout -k 10 -s ABRT ${EP_TEST_LIMIT:-300} python3 -X faulthandler tests/test_mega_moe_ep.py --num-processes "$N" 2>&1 | tee "$OUT/ep_test.log" | tail -8
+timeout -k 10 -s ABRT ${EP_BENCH_LIMIT:-400} python3 -X faulthandler scripts/bench_mega_moe.py --num-processes "$N" ${EP_BENCH_ARGS:---models 30b --routing uniform} \
   2>&1 | tee "$OUT/ep_bench.log" | tail -10
