@@ -66,15 +66,23 @@ def _config_id(config) -> str:
 M_CONFIGS = m_grouped_bf16.all_configs()
 
 
+def _gathered(rows: int, cols: int):
+    """(source, index, rows picked): rows picked with repeats from a source of another height;
+    the middle index is out of range, so that row reads zeros."""
+    source = torch.randn(max(rows // 3, 1), cols, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, source.shape[0], (rows,), device="cuda")
+    index[rows // 2:rows // 2 + 1] = source.shape[0]
+    padded = torch.cat([source, source.new_zeros(1, cols)])
+    return source, index, padded[index]
+
+
 def _run_m_grouped(spec, n, k, nn: bool, config, gather: bool = False):
     sizes = _sizes(spec)
     m = sum(sizes) + 3  # 3 trailing rows belong to no group: must stay untouched
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     index = None
-    if gather:  # A's rows picked (with repeats) from a source matrix of another height
-        source = torch.randn(max(m // 3, 1), k, device="cuda", dtype=torch.bfloat16)
-        index = torch.randint(0, source.shape[0], (m,), device="cuda")
-        a = source[index]
+    if gather:
+        source, index, a = _gathered(m, k)
     b = torch.randn(len(sizes), *((k, n) if nn else (n, k)), device="cuda", dtype=torch.bfloat16) / k**0.5
     d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     fn = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if nn else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
@@ -99,16 +107,17 @@ def test_m_grouped(spec, n, k, nn, config, gather):
     assert untouched, "rows outside every group were written"
 
 
-def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: bool = False):
+def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: str = ""):
     sizes = _sizes(spec)
     rows = sum(sizes)
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    index = None
-    if gather:  # B's rows picked (with repeats) from a source matrix of another height
-        source = torch.randn(max(rows // 3, 1), n, device="cuda", dtype=torch.bfloat16)
-        index = torch.randint(0, source.shape[0], (rows,), device="cuda")
-        b = source[index]
+    a_source, a_index = a, None
+    b_source, b_index = b, None
+    if gather == "a":
+        a_source, a_index, a = _gathered(rows, m)
+    elif gather == "b":
+        b_source, b_index, b = _gathered(rows, n)
     offsets = offsets_from_sizes(sizes)
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
     if accumulate:
@@ -116,8 +125,8 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: bool = Fal
         ref += d.float()
     else:
         d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
-    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, source if gather else b, d, offsets, accumulate=accumulate,
-                                                b_row_index=index, config=config)
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a_source, b_source, d, offsets, accumulate=accumulate,
+                                                a_row_index=a_index, b_row_index=b_index, config=config)
     torch.cuda.synchronize()
     return sizes, relative_error(d, ref)
 
@@ -129,7 +138,7 @@ K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfl
 @requires_sm90
 @pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
                          ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
-@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+@pytest.mark.parametrize("gather", ["", "a", "b"], ids=["rows", "gathered_rows_a", "gathered_rows_b"])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
 def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
     sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather)

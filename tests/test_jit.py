@@ -42,10 +42,11 @@ def all_kernels():
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):
-                for gather in (False, True):
+                for gather in ("", "a", "b"):  # which operand's rows are gathered
                     out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
-                                f"{'_gather' if gather else ''}",
-                                lambda c=config, t=dtype, a=accumulate, g=gather: k_grouped_bf16.get_kernel(c, t, a, g)))
+                                f"{'_gather_' + gather if gather else ''}",
+                                lambda c=config, t=dtype, a=accumulate, g=gather:
+                                k_grouped_bf16.get_kernel(c, t, a, g == "a", g == "b")))
     out += glue.all_kernels()
     return out
 

@@ -36,10 +36,12 @@ def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool, gather_b: bool = False):
+def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool, gather_a: bool = False,
+               gather_b: bool = False):
     return build_gemm_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
                              [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], str(accumulate).lower(),
-                              str(config.async_store).lower(), str(gather_b).lower()], config.smem_bytes)
+                              str(config.async_store).lower(), str(gather_a).lower(), str(gather_b).lower()],
+                             config.smem_bytes)
 
 
 _printed: set = set()
@@ -47,6 +49,7 @@ _printed: set = set()
 
 def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, accumulate: bool = False,
+                                      a_row_index: Optional[torch.Tensor] = None,
                                       b_row_index: Optional[torch.Tensor] = None,
                                       config: Optional[GemmConfig] = None) -> None:
     """Grouped ``D[g] (+)= A[rows of g].T @ B[rows of g]`` (MoE weight gradients), into `d`.
@@ -60,9 +63,10 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             ``[group_offsets[g], group_offsets[g + 1])``. Non-decreasing, within ``[0, R]``;
             sizes are arbitrary. Read on the GPU: no host sync.
         accumulate: add into the existing `d` instead of overwriting it.
-        b_row_index: optional int64 ``[R]``: row r of B is ``b[b_row_index[r]]``, gathered by the
-            kernel's loads (no permuted copy of `b`); `b` is then ``[T, N]`` for any T.
-            Indices must lie in ``[0, 2**31)``; those outside ``[0, T)`` read zeros.
+        a_row_index: optional int64 ``[R]``: row r of A is ``a[a_row_index[r]]``, gathered by the
+            kernel's loads (no permuted copy of `a`); `a` is then ``[T, M]`` for any T.
+            Indices outside ``[0, T)`` read zeros.
+        b_row_index: optional int64 ``[R]``, the same for B (`b` is then ``[T', N]``).
         config: force a kernel variant (one of
             `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default picks by N.
 
@@ -73,12 +77,16 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_tensor("d", d, (torch.float32, torch.bfloat16), 3)
     num_groups = check_group_offsets(group_offsets)
     rows, m = a.shape
+    if a_row_index is not None:
+        check_tensor("a_row_index", a_row_index, torch.int64, 1)
+        rows = a_row_index.numel()
     b_rows = b.shape[0]
     if b_row_index is not None:
         check_tensor("b_row_index", b_row_index, torch.int64, 1)
         b_rows = b_row_index.numel()
     if b_rows != rows:
-        raise ValueError(f"a and b (or b_row_index) must have the same number of rows, got {rows} and {b_rows}")
+        raise ValueError(f"a (or a_row_index) and b (or b_row_index) must have the same number of rows, "
+                         f"got {rows} and {b_rows}")
     n = b.shape[1]
     if tuple(d.shape) != (num_groups, m, n):
         raise ValueError(f"d must have shape {(num_groups, m, n)}, got {tuple(d.shape)}")
@@ -88,11 +96,11 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         raise ValueError("dimensions must stay below 2**31")
     if config is not None and config not in all_configs(d.dtype):
         raise ValueError(f"unknown config {config} for {d.dtype} output; pick one of all_configs()")
-    index = {} if b_row_index is None else {"b_row_index": b_row_index}
+    index = {name: t for name, t in (("a_row_index", a_row_index), ("b_row_index", b_row_index)) if t is not None}
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **index)
     if m == 0 or n == 0 or num_groups == 0:
         return
-    if rows == 0 or b.shape[0] == 0:  # every group is empty (and TMA cannot describe a zero-row tensor)
+    if rows == 0 or a.shape[0] == 0 or b.shape[0] == 0:  # all groups empty or all rows read zeros
         if not accumulate:
             d.zero_()
         return
@@ -103,12 +111,13 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         _printed.add(key)
         print(f"[deep_gemm] k_grouped_bf16_gemm_tn: M={m} N={n} rows={rows} G={num_groups} "
               f"out={d.dtype} accumulate={accumulate} -> {config}")
-    tma_a = make_tma_2d_desc(a, rows, m, 64, BLOCK_K)
-    # B gathered row by row: single-row boxes (the kernel places each at its tile row).
-    tma_b = make_tma_2d_desc(b, b.shape[0], n, 64, BLOCK_K if b_row_index is None else 1)
-    params = pack_params([tma_a, tma_b], [d.data_ptr(), group_offsets.data_ptr(),
-                                          0 if b_row_index is None else b_row_index.data_ptr()],
-                         [m, n, rows, num_groups])
+    # With a row index the kernel reads that operand directly; its tensor map goes unused.
+    tma_a = make_tma_2d_desc(a, a.shape[0], m, 64, BLOCK_K)
+    tma_b = make_tma_2d_desc(b, b.shape[0], n, 64, BLOCK_K)
+    pointers = [d.data_ptr(), group_offsets.data_ptr(), 0 if a_row_index is None else a_row_index.data_ptr(),
+                0 if b_row_index is None else b_row_index.data_ptr(), a.data_ptr(), b.data_ptr()]
+    params = pack_params([tma_a, tma_b], pointers, [m, n, rows, num_groups, a.shape[0], b.shape[0]])
     num_tiles = num_groups * ((m + BLOCK_M - 1) // BLOCK_M) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), num_tiles)
-    get_kernel(config, d.dtype, accumulate, b_row_index is not None).launch(params, num_sms, device.index)
+    get_kernel(config, d.dtype, accumulate, a_row_index is not None, b_row_index is not None).launch(
+        params, num_sms, device.index)

@@ -103,14 +103,14 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     if print_configs_enabled() and (layout, m, n, k, g) not in _printed:
         _printed.add((layout, m, n, k, g))
         print(f"[deep_gemm] m_grouped_bf16_gemm_{layout}: M={m} N={n} K={k} G={g} -> {config}")
-    # A gathered row by row: single-row boxes (the kernel places each at its tile row).
-    tma_a = make_tma_2d_desc(a, a_rows, k, 64, BLOCK_M if a_row_index is None else 1)
+    tma_a = make_tma_2d_desc(a, a_rows, k, 64, BLOCK_M)  # with a_row_index the kernel reads `a` directly
     if b_mn_major:
         tma_b = make_tma_2d_desc(b, g * k, n, 64, BLOCK_K)
     else:  # the SwiGLU epilogue loads a tile's gate and up rows as two half-height boxes
         tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n // (2 if act is not None else 1))
     params = pack_params([tma_a, tma_b], [d.data_ptr(), 0 if act is None else act.data_ptr(), group_offsets.data_ptr(),
-                                          0 if a_row_index is None else a_row_index.data_ptr()], [m, n, k, num_groups])
+                                          0 if a_row_index is None else a_row_index.data_ptr(), a.data_ptr()],
+                         [m, n, k, num_groups, a_rows])
     num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
     get_kernel(config, b_mn_major, a_row_index is not None, act is not None).launch(params, num_sms, device.index)

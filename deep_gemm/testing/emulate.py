@@ -36,8 +36,10 @@ def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, *
     act.copy_(F.silu(gate) * up)
 
 
-def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, b_row_index=None, **_):
+def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, a_row_index=None, b_row_index=None, **_):
     """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
+    if a_row_index is not None:
+        a = a.index_select(0, a_row_index)
     if b_row_index is not None:
         b = b.index_select(0, b_row_index)
     for g, (start, end) in enumerate(_bounds(group_offsets)):

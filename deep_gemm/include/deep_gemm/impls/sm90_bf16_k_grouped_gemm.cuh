@@ -3,29 +3,35 @@
 // A [rows, M] and B [rows, N] with groups of rows back to back and arbitrary sizes (read on
 // the GPU from `group_offsets`); D [G, M, N] in fp32 or bf16, optionally accumulated into.
 // Both operands are MN-major. Persistent and warp-specialised like the M-grouped kernel.
-// With kGatherB, row r of B is row b_row_index[r] of the source matrix, gathered by the TMA
-// loads (single-row copies issued by the producer warp's 32 lanes).
+// With kGatherA (kGatherB), row r of A (B) is row a_row_index[r] (b_row_index[r]) of the
+// source matrix, gathered with cp.async by the whole producer warpgroup; the other operand
+// still comes by TMA.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/store.cuh"
 #include "../mma/pipeline.cuh"
+#include "../ptx/cp_async.cuh"
 #include "../ptx/tma.cuh"
 #include "../scheduler/grouped.cuh"
 
 namespace deep_gemm {
 
 struct KGroupedGemmParams {
-    CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows}
-    CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows} (kGatherB: the source rows, box {64, 1})
+    CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows} (unused with kGatherA)
+    CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows} (unused with kGatherB)
     void* d;                   // [G, M, N], OutT
     const int* group_offsets;  // [G + 1]
+    const int64_t* a_row_index;  // [rows] with kGatherA, else unused
     const int64_t* b_row_index;  // [rows] with kGatherB, else unused
-    uint32_t m, n, rows, num_groups;
+    const __nv_bfloat16* a;      // with kGatherA: the source rows [a_rows, M]
+    const __nv_bfloat16* b;      // with kGatherB: the source rows [b_rows, N]
+    uint32_t m, n, rows, num_groups, a_rows, b_rows;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies (reduce-adds with kAccumulate) that
 // overlap the next tile's MMAs (epilogue::store_rows_async) instead of direct stores.
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kGatherB>
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kGatherA,
+          bool kGatherB>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
@@ -36,7 +42,8 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const Smem smem{smem_buffer};
 
-    start_gemm(smem, &p.tensor_map_a, &p.tensor_map_b);
+    constexpr bool kGather = kGatherA or kGatherB;
+    start_gemm<kGather>(smem, &p.tensor_map_a, &p.tensor_map_b);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
     typename Scheduler::Tile tile;
@@ -45,37 +52,36 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
         DG_TRACE(5, 1);
-        constexpr uint32_t kNumLoaders = kGatherB ? 32 : 1;
-        if (threadIdx.x >= kNumMathThreads + kNumLoaders)
+        const uint32_t t = threadIdx.x - kNumMathThreads;
+        if (not kGather and t != 0)
             return;
-        const uint32_t lane = threadIdx.x - kNumMathThreads;
+        constexpr uint32_t kTxBytes = (kGatherA ? 0 : Smem::kBytesA) + (kGatherB ? 0 : Smem::kBytesB);
         while (scheduler.next(tile)) {
             const uint32_t num_k_blocks = ptx::ceil_div(tile.k_end - tile.k_begin, BLOCK_K);
-            produce_k_blocks<kNumStages, kGatherB>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+            produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = tile.k_begin + k_block * BLOCK_K;
-                if constexpr (kGatherB) {
-                    // Each lane copies K rows `lane` and `lane + 32` of every 64-wide chunk of B;
-                    // the 128-byte swizzle follows the shared-memory address. Rows past the
-                    // group are zero-filled by the math warpgroups before use.
-                    #pragma unroll
-                    for (uint32_t i = 0; i < BLOCK_K / 32; ++i) {
-                        const uint32_t row = lane + 32 * i;
-                        const auto src = static_cast<int32_t>(__ldg(p.b_row_index + min(k + row, p.rows - 1)));
-                        #pragma unroll
-                        for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
-                            ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes + row * kSwizzleBytes, &p.tensor_map_b,
-                                             bar, tile.n_begin + j * 64, src);
-                    }
-                    if (lane != 0)
+                // Gathered K rows past the group are zero-filled by the math warpgroups before use.
+                if constexpr (kGatherA)
+                    ptx::gather_k_rows_mn_major<BLOCK_M, kMNChunkBytes>(smem.a(stage), p.a, p.a_rows, p.m, p.a_row_index,
+                                                                       p.rows, k, tile.m_begin, p.m, t);
+                if constexpr (kGatherB)
+                    ptx::gather_k_rows_mn_major<BLOCK_N, kMNChunkBytes>(smem.b(stage), p.b, p.b_rows, p.n, p.b_row_index,
+                                                                       p.rows, k, tile.n_begin, p.n, t);
+                if constexpr (kGather) {
+                    ptx::cp_async_arrive_noinc(bar);
+                    if (t != 0)
                         return;
-                } else {
+                }
+                if constexpr (not kGatherB) {
                     #pragma unroll
                     for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
                         ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
                 }
-                #pragma unroll
-                for (uint32_t j = 0; j < BLOCK_M / 64; ++j)
-                    ptx::tma_load_2d(smem.a(stage) + j * kMNChunkBytes, &p.tensor_map_a, bar, tile.m_begin + j * 64, k);
+                if constexpr (not kGatherA) {
+                    #pragma unroll
+                    for (uint32_t j = 0; j < BLOCK_M / 64; ++j)
+                        ptx::tma_load_2d(smem.a(stage) + j * kMNChunkBytes, &p.tensor_map_a, bar, tile.m_begin + j * 64, k);
+                }
             });
         }
     } else {
@@ -94,6 +100,8 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
             // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk.
             const uint32_t valid_in_last = num_rows - (num_k_blocks - 1) * BLOCK_K;
             const auto zero_tail = [&](uint32_t stage, uint32_t k_block) {
+                if constexpr (kGather)  // cp.async wrote through the generic proxy; WGMMA reads the async one
+                    ptx::fence_view_async_shared();
                 if (k_block + 1 != num_k_blocks or valid_in_last == BLOCK_K)
                     return;
                 constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64;

@@ -1,32 +1,35 @@
 #pragma once
 // M-grouped bf16 GEMM on Hopper: D[rows of g] = A[rows of g] @ op(B[g]), groups of rows of A
 // back to back with arbitrary sizes (read on the GPU from `group_offsets`). With kGatherA,
-// row i of A is row a_row_index[i] of the source matrix, gathered by the TMA loads (one
-// single-row copy per row, issued by the producer warp's 32 lanes). With kSwiGLU (the MoE's
+// row i of A is row a_row_index[i] of the source matrix, gathered with cp.async by the whole
+// producer warpgroup (B still comes by TMA). With kSwiGLU (the MoE's
 // first GEMM, B = l1 [G, 2I, K] with gate rows then up rows), each 256-wide tile holds 128
 // gate columns and the matching 128 up columns, and the epilogue writes both halves of
 // D = h [M, 2I] and also act = silu(gate) * up into d_aux [M, I].
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
-// Persistent and warp-specialised: one TMA producer thread, two WGMMA math warpgroups.
+// Persistent and warp-specialised: one TMA producer thread (a warpgroup with kGatherA), two
+// WGMMA math warpgroups.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/activation.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/pipeline.cuh"
+#include "../ptx/cp_async.cuh"
 #include "../ptx/tma.cuh"
 #include "../scheduler/grouped.cuh"
 
 namespace deep_gemm {
 
 struct MGroupedGemmParams {
-    CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (kGatherA: the source rows, box {64, 1})
+    CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (unused with kGatherA)
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     __nv_bfloat16* d;          // [M, N]
     __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU, else unused
     const int* group_offsets;  // [G + 1]
     const int64_t* a_row_index;  // [M] with kGatherA, else unused
-    uint32_t m, n, k, num_groups;
+    const __nv_bfloat16* a;      // with kGatherA: the source rows [a_rows, K]
+    uint32_t m, n, k, num_groups, a_rows;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
@@ -46,7 +49,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     const Smem smem{smem_buffer};
     const uint32_t num_k_blocks = ptx::ceil_div(p.k, BLOCK_K);
 
-    start_gemm(smem, &p.tensor_map_a, &p.tensor_map_b);
+    start_gemm<kGatherA>(smem, &p.tensor_map_a, &p.tensor_map_b);
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n);
     typename Scheduler::Tile tile;
@@ -55,27 +58,30 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     if (threadIdx.x >= kNumMathThreads) {
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
         DG_TRACE(5, 1);
-        constexpr uint32_t kNumLoaders = kGatherA ? 32 : 1, kRowsPerLoader = kGatherA ? BLOCK_M / 32 : 1;
-        if (threadIdx.x >= kNumMathThreads + kNumLoaders)
+        const uint32_t t = threadIdx.x - kNumMathThreads;
+        if (not kGatherA and t != 0)
             return;
-        const uint32_t lane = threadIdx.x - kNumMathThreads;
+        // With kGatherA, thread t copies 16-byte piece t % 8 of tile rows t / 8 + 16 i, so
+        // each warp reads four whole 128-byte rows per cp.async.
+        constexpr uint32_t kGatherRows = kGatherA ? BLOCK_M / 16 : 1;
+        constexpr uint32_t kTxBytes = kGatherA ? Smem::kBytesB : Smem::kBytesPerStage;
         while (scheduler.next(tile)) {
-            // Source rows of this lane's A rows (rows past the group are loaded but never stored).
-            int32_t a_rows[kRowsPerLoader];
-            if constexpr (kGatherA) {
-                #pragma unroll
-                for (uint32_t i = 0; i < kRowsPerLoader; ++i)
-                    a_rows[i] = static_cast<int32_t>(__ldg(p.a_row_index + min(tile.row_begin + lane + 32 * i, p.m - 1)));
-            }
-            produce_k_blocks<kNumStages, kGatherA>(smem, pipe, num_k_blocks, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+            produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = k_block * BLOCK_K;
                 if constexpr (kGatherA) {
-                    // The 128-byte swizzle follows the shared-memory address, so single-row
-                    // copies at their row's offset build the same tile as one 128-row copy.
-                    #pragma unroll
-                    for (uint32_t i = 0; i < kRowsPerLoader; ++i)
-                        ptx::tma_load_2d(smem.a(stage) + (lane + 32 * i) * kSwizzleBytes, &p.tensor_map_a, bar, k, a_rows[i]);
-                    if (lane != 0)
+                    // Indices are re-read (L1 hits) rather than held: the producer has 40 registers.
+                    // Rows past the group and indices out of range read zeros.
+                    const uint32_t col = k + (t % 8) * 8;  // K % 8 == 0: a piece is all in or all out
+                    #pragma unroll 2
+                    for (uint32_t i = 0; i < kGatherRows; ++i) {
+                        const uint32_t row = t / 8 + 16 * i;
+                        const int64_t src = row < tile.num_rows ? __ldg(p.a_row_index + tile.row_begin + row) : -1;
+                        const bool valid = src >= 0 and src < p.a_rows and col < p.k;
+                        ptx::cp_async_16(smem.a(stage) + ptx::swizzle_128b_offset(row, t % 8),
+                                         p.a + static_cast<uint64_t>(valid ? src : 0) * p.k + col, valid);
+                    }
+                    ptx::cp_async_arrive_noinc(bar);
+                    if (t != 0)
                         return;
                 } else {
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.row_begin);
@@ -103,7 +109,10 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         while (scheduler.next(tile)) {
             zero_accum(acc);
             consume_k_blocks<BLOCK_N, kNumStages, Major::kKMajor, kMajorB>(
-                smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {});
+                smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {
+                    if constexpr (kGatherA)  // cp.async wrote A through the generic proxy; WGMMA reads the async one
+                        ptx::fence_view_async_shared();
+                });
             const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
             __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
             if constexpr (kSwiGLU) {

@@ -12,7 +12,8 @@ namespace deep_gemm::mma {
 
 constexpr uint32_t BLOCK_K = 64;  // one 128-byte swizzle row of bf16
 constexpr uint32_t kNumMathThreads = 256;  // two math warpgroups, 64 rows of the tile each
-constexpr uint32_t kNumThreads = kNumMathThreads + 128;  // + one producer warpgroup
+constexpr uint32_t kNumProducerThreads = 128;  // one producer warpgroup
+constexpr uint32_t kNumThreads = kNumMathThreads + kNumProducerThreads;
 constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;  // 40*128 + 232*256 <= 64K registers
 
 struct PipelineState {
@@ -47,11 +48,12 @@ struct GemmSmem {
     }
     __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return full(kNumStages + stage); }
 
-    // Thread 0 only: full barriers complete on the TMA bytes, empty ones on both math warpgroups.
-    __device__ __forceinline__ void init_barriers() const {
+    // Thread 0 only: full barriers complete on the TMA bytes and the producer's arrival (plus
+    // one cp.async arrival per gathering thread), empty ones on both math warpgroups.
+    __device__ __forceinline__ void init_barriers(uint32_t num_gather_threads) const {
         #pragma unroll
         for (uint32_t s = 0; s < kNumStages; ++s) {
-            full(s)->init(1);
+            full(s)->init(1 + num_gather_threads);
             empty(s)->init(kNumMathThreads / 128);
         }
         ptx::fence_barrier_init();
@@ -59,8 +61,9 @@ struct GemmSmem {
 };
 
 // Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
-// initialises the barriers, and the CTA syncs before any role touches them.
-template <typename Smem>
+// initialises the barriers, and the CTA syncs before any role touches them. With `kGather`,
+// the whole producer warpgroup gathers rows with cp.async (see produce_k_blocks).
+template <bool kGather, typename Smem>
 __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,
                                            const CUtensorMap* tensor_map_b) {
     if (threadIdx.x == kNumMathThreads) {
@@ -68,7 +71,7 @@ __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* 
         ptx::prefetch_tma_descriptor(tensor_map_b);
     }
     if (threadIdx.x == 0)
-        smem.init_barriers();
+        smem.init_barriers(kGather ? kNumProducerThreads : 0);
     __syncthreads();
     DG_TRACE(4, 1);
 }
@@ -119,19 +122,19 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
 }
 
 // The producer's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`
-// starts the TMA copies that fill it and complete on `bar`. Run by one thread, or with
-// `kWarp` by a whole warp (lane 0 announces the stage's bytes, then every lane may copy).
-template <uint32_t kNumStages, bool kWarp = false, typename Smem, typename IssueLoads>
+// starts the copies that fill it and complete on `bar`; the `leader` announces the
+// `kTxBytes` the TMA engine will deliver. Run by the leader alone (TMA only), or by the whole
+// producer warpgroup when rows are gathered: then each thread ends its part of
+// `issue_loads` with ptx::cp_async_arrive_noinc(bar).
+template <uint32_t kNumStages, uint32_t kTxBytes, typename Smem, typename IssueLoads>
 __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
-                                                 const IssueLoads& issue_loads) {
+                                                 bool leader, const IssueLoads& issue_loads) {
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
         DG_TRACE(0, 1000 + k_block);
         smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
         ptx::MBarrier* bar = smem.full(pipe.stage);
-        if (not kWarp or ptx::lane_idx() == 0)
-            bar->arrive_and_expect_tx(Smem::kBytesPerStage);
-        if constexpr (kWarp)
-            __syncwarp();
+        if (leader)
+            bar->arrive_and_expect_tx(kTxBytes);
         issue_loads(pipe.stage, k_block, bar);
         DG_TRACE(0, 2000 + k_block);
         pipe.template advance<kNumStages>();

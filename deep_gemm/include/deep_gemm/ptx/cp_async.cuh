@@ -1,0 +1,51 @@
+#pragma once
+// cp.async row gathers into 128-byte-swizzled tiles: the loads a TMA box cannot express
+// (rows picked by an index), completing on the same mbarriers as the TMA loads.
+#include <cstdint>
+#include <cuda_bf16.h>
+#include "barrier.cuh"
+#include "utils.cuh"
+
+namespace deep_gemm::ptx {
+
+// 16 bytes global -> shared, bypassing L1; `valid` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16u : 0u) : "memory");
+}
+
+// One arrival on `bar` once every cp.async this thread issued so far has landed. `noinc`:
+// the arrival is part of the barrier's expected count (see mma::GemmSmem::init_barriers).
+__device__ __forceinline__ void cp_async_arrive_noinc(MBarrier* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// Byte offset of 16-byte piece `piece` (0..7) of 128-byte line `line` inside a tile whose
+// base is 1024-byte aligned, in the layout TMA's 128-byte swizzle writes.
+__device__ __forceinline__ uint32_t swizzle_128b_offset(uint32_t line, uint32_t piece) {
+    return line * 128 + ((piece ^ (line % 8)) * 16);
+}
+
+// One producer-warpgroup thread's share (thread `t` of 128) of filling the 64 K rows of an
+// MN-major tile of kCols columns (kCols / 64 chunks of 64 K rows x 128 bytes, `chunk_bytes`
+// apart) from gathered rows: K row r is row index[min(k + r, num_index - 1)] of `src`
+// ([src_rows, ld] bf16), columns [col_begin, col_begin + kCols). Thread t copies 16-byte
+// piece t % (kCols / 8) of K rows t / (kCols / 8) + step * i, so a warp reads whole rows.
+// Columns past `num_cols` and indices outside [0, src_rows) read zeros. ld % 8 == 0.
+template <uint32_t kCols, uint32_t kChunkBytes>
+__device__ __forceinline__ void gather_k_rows_mn_major(uint8_t* tile, const __nv_bfloat16* src, uint32_t src_rows,
+                                                       uint32_t ld, const int64_t* index, uint32_t num_index,
+                                                       uint32_t k, uint32_t col_begin, uint32_t num_cols, uint32_t t) {
+    constexpr uint32_t kPieces = kCols / 8, kRowStep = 128 / kPieces, kRows = 64;
+    const uint32_t piece = t % kPieces, col = col_begin + piece * 8;
+    uint8_t* chunk = tile + (piece / 8) * kChunkBytes;
+    #pragma unroll 4
+    for (uint32_t i = 0; i < kRows / kRowStep; ++i) {
+        const uint32_t row = t / kPieces + kRowStep * i;
+        const int64_t s = __ldg(index + min(k + row, num_index - 1));
+        const bool valid = s >= 0 and s < src_rows and col < num_cols;
+        cp_async_16(chunk + swizzle_128b_offset(row, piece % 8), src + static_cast<uint64_t>(valid ? s : 0) * ld + col, valid);
+    }
+}
+
+}  // namespace deep_gemm::ptx
