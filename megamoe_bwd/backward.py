@@ -1,9 +1,10 @@
 """Mega MoE backward on one GPU, bf16.
 
-Data-gradient chain: gather dy rows (and w * dy) -> dA = dy @ l2[e] (m-grouped nn) ->
-one pass for the SwiGLU backward, the activation and the routing-weight gradient <dA, a> ->
-dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots. The weight gradients
-(K-grouped GEMMs) run on a side stream beside the dx GEMM and combine.
+Data-gradient chain: dA = dy[rows] @ l2[e] (m-grouped nn, dy's rows gathered by the loads) ->
+one pass for the SwiGLU backward, the weighted activation w * a and the routing-weight
+gradient <dA, a> -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots. The
+weight gradients (K-grouped GEMMs, gathering dy's and x's rows in their loads) run on a side
+stream beside the dx GEMM and combine.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
 from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
-from deep_gemm.moe.glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
+from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
 
 
 def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int], dtype: torch.dtype,
@@ -69,30 +70,32 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
 
     dl1, accumulate_dl1 = _weight_grad_output(dl1, l1_shape, weight_grad_dtype, x.device)
     dl2, accumulate_dl2 = _weight_grad_output(dl2, l2_shape, weight_grad_dtype, x.device)
-    # Everything is allocated on the current stream, and the current stream waits for the
-    # side stream before returning, so no memory is reused while the side stream reads it.
+    # The current stream waits for the side stream before returning, so no memory is reused
+    # while the side stream reads it (what the side stream allocates comes from its own pool).
     side = _side_stream(x.device)
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
-    fused_gather = moe_forward_module.FUSED_GATHER
-    dys, dys_weighted = moe_gather_rows_bf16(dy, layout, unweighted=not fused_gather)
-    d_act = dy.new_empty(layout.num_slots, l2.shape[2])
-    if fused_gather:  # dy @ l2[e], dy's rows gathered by the GEMM's loads
-        m_grouped_bf16_gemm_nn_contiguous(dy, l2, d_act, offsets, a_row_index=layout.row_token)
+    # Routed rows of dy and x: gathered by the GEMMs' loads, or copied first.
+    if moe_forward_module.FUSED_GATHER:
+        (dy_rows, dy_index), (x_rows, x_index) = (dy, layout.row_token), (x, layout.row_token)
     else:
-        m_grouped_bf16_gemm_nn_contiguous(dys, l2, d_act, offsets)
-    dz, act, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    # dl1's B operand: x's rows, gathered by the GEMM's loads or copied first
-    x_rows, x_index = (x, layout.row_token) if fused_gather else (x.index_select(0, layout.row_token), None)
+        dy_rows, dy_index = dy.index_select(0, layout.row_token), None
+    d_act = dy.new_empty(layout.num_slots, l2.shape[2])
+    m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
+    del d_act
 
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
     try:
-        with on_side:  # dl2[e] = (w * dy)_e^T @ act_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
-            k_grouped_bf16_gemm_tn_contiguous(dys_weighted, act, dl2, offsets, accumulate=accumulate_dl2)
+        with on_side:  # dl2[e] = dy_e^T @ (w * act)_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
+            k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2, offsets, accumulate=accumulate_dl2,
+                                              a_row_index=dy_index)
+            if not moe_forward_module.FUSED_GATHER:
+                x_rows, x_index = x.index_select(0, layout.row_token), None
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
 
-        dxs = torch.empty_like(dys_weighted)
+        dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
         dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())

@@ -53,6 +53,17 @@ def liger_impl():
     return lambda x, idx, w, l1, l2: LigerFusedMoEFunction.apply(x, l1, l2, idx.to(torch.int32), w)
 
 
+def profile(fn, inputs, dy, title: str) -> None:
+    """GPU time per kernel of one fwd+bwd (after a warm-up), largest first."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    fn(*leaves).backward(dy)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*leaves).backward(dy)
+        torch.cuda.synchronize()
+    print(f"-- {title}: GPU time per kernel, one fwd+bwd --")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+
+
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
     """Median fwd ms, median bwd ms, peak bytes above the inputs."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
@@ -86,6 +97,7 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="write a PNG bar chart of fwd+bwd ms here")
     parser.add_argument("--num-processes", type=int, default=1, help="expert parallelism over this many GPUs")
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
+    parser.add_argument("--profile", action="store_true", help="also print ours' GPU time per kernel (one fwd+bwd)")
     args = parser.parse_args()
     if args.num_processes > 1:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, backend="nccl")
@@ -118,6 +130,8 @@ def main() -> None:
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
+            if args.profile:
+                profile(mega_moe, inputs, p["dy"], f"{model} {routing}")
             del p, inputs
             torch.cuda.empty_cache()
     print("\n" + "\n".join(lines))

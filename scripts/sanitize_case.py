@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
+from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
@@ -27,13 +28,15 @@ for config in m_grouped_bf16.all_configs():
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):
-        for row_index in (None, index):
-            deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, b_row_index=row_index, config=config)
-            deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=True, b_row_index=row_index,
-                                                        config=config)
+        for a_index, b_index in ((None, None), (index, None), (None, index)):
+            for accumulate in (False, True):
+                deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=accumulate, a_row_index=a_index,
+                                                            b_row_index=b_index, config=config)
 
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
-y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
-mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+for fused_gather in (False, True):
+    moe_forward_module.FUSED_GATHER = fused_gather
+    y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+    mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 torch.cuda.synchronize()
 print("sanitize case done")

@@ -1,6 +1,5 @@
-"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh): the row
-gather with a weighted copy, SwiGLU forward, SwiGLU backward with the routing-weight
-gradient, and the weighted combine. All bf16 with fp32 math, 16-byte accesses, no host sync
+"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh): SwiGLU
+forward, SwiGLU backward with the routing-weight gradient, and the weighted combine. All bf16 with fp32 math, 16-byte accesses, no host sync
 (routed-row counts are read on the GPU), deterministic (no atomics)."""
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ _KERNELS = {
     "moe_combine": ("MoECombineParams", 256, 8),
     "moe_swiglu_fwd": ("MoESwiGLUFwdParams", 256, 8),
     "moe_swiglu_bwd": ("MoESwiGLUBwdParams", 128, 16),
-    "moe_gather_rows": ("MoEGatherRowsParams", 256, 8),
 }
 
 
@@ -88,31 +86,17 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     """SwiGLU backward of the routed rows, one pass.
 
     Given ``h = [g | u]`` ``[T * K, 2I]`` and ``d_act = dy @ l2[e]`` ``[T * K, I]`` (before the
-    routing weight), returns ``(dz [T * K, 2I], act [T * K, I], row_dw [T * K] fp32)`` with
-    ``act = silu(g) * u``, ``row_dw = <d_act, act>`` (the routing-weight gradient of each
-    row) and ``dz`` the gradient of ``[g | u]`` for ``w * d_act``.
+    routing weight w), returns ``(dz [T * K, 2I], act_weighted [T * K, I], row_dw [T * K] fp32)``
+    with ``act_weighted = w * silu(g) * u`` (so that ``dl2[e] = dy_e^T @ act_weighted_e``),
+    ``row_dw = <d_act, silu(g) * u>`` (the routing-weight gradient of each row) and ``dz`` the
+    gradient of ``[g | u]`` for ``w * d_act``.
     """
     _check_bf16(h=h, d_act=d_act)
     rows, inter = d_act.shape
-    dz, act = torch.empty_like(h), torch.empty_like(d_act)
+    dz, act_weighted = torch.empty_like(h), torch.empty_like(d_act)
     row_dw = torch.empty(rows, device=h.device, dtype=torch.float32)
     if rows:
         _launch("moe_swiglu_bwd", [h.data_ptr(), d_act.data_ptr(), layout.row_weight.data_ptr(), dz.data_ptr(),
-                                        act.data_ptr(), row_dw.data_ptr(), _num_rows_ptr(layout)],
+                                        act_weighted.data_ptr(), row_dw.data_ptr(), _num_rows_ptr(layout)],
                 [inter], h.device.index)
-    return dz, act, row_dw
-
-
-def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout, unweighted: bool = True
-                         ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """``(src[row_token], row_weight * src[row_token])``, both ``[T * K, H]`` bf16, in one
-    pass; the first is None unless `unweighted`."""
-    _check_bf16(src=src)
-    hidden = src.shape[1]
-    out_weighted = src.new_empty(layout.num_slots, hidden)
-    out = torch.empty_like(out_weighted) if unweighted else None
-    if layout.num_slots:
-        _launch("moe_gather_rows", [src.data_ptr(), layout.row_token.data_ptr(), layout.row_weight.data_ptr(),
-                                    0 if out is None else out.data_ptr(), out_weighted.data_ptr(),
-                                    _num_rows_ptr(layout)], [hidden], src.device.index)
-    return out, out_weighted
+    return dz, act_weighted, row_dw

@@ -75,18 +75,11 @@ def moe_swiglu_bwd(h, d_act, layout):
     gate, up = h.chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     act = gate * sig * up
-    da = d_act * layout.row_weight.to(d_act.dtype).unsqueeze(-1)
+    w = layout.row_weight.to(d_act.dtype).unsqueeze(-1)
+    da = d_act * w
     dz = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1)
     row_dw = (d_act * act).sum(-1)
-    for t in (dz, act, row_dw):
+    act_weighted = act * w
+    for t in (dz, act_weighted, row_dw):
         t[_routed(layout):] = float("nan")
-    return dz, act, row_dw
-
-
-def moe_gather_rows(src, layout, unweighted=True):
-    """Emulates `deep_gemm.moe.glue.moe_gather_rows_bf16`."""
-    out = src.index_select(0, layout.row_token)
-    out_weighted = out * layout.row_weight.to(src.dtype).unsqueeze(-1)
-    for t in (out, out_weighted):
-        t[_routed(layout):] = float("nan")
-    return (out if unweighted else None), out_weighted
+    return dz, act_weighted, row_dw

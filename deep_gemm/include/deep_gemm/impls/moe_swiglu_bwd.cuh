@@ -1,6 +1,7 @@
 #pragma once
 // The MoE backward between its two data-gradient GEMMs, one pass per routed row r:
-//   act = silu(g) * u                    (recomputed from h = [g | u], for dl2)
+//   act = silu(g) * u                    (recomputed from h = [g | u])
+//   act_weighted[r] = w[r] * act         (dl2's operand: dl2[e] = dy_e^T @ act_weighted_e)
 //   row_dw[r] = <d_act[r], act>          (the routing-weight gradient of the row)
 //   dz[r] = d[g | u] of w[r] * <d_act, act>  (SwiGLU backward of the weighted gradient)
 // Rows of empty slots (r >= *num_rows) are skipped. One CTA per row at a time; the row sum
@@ -17,7 +18,7 @@ struct MoESwiGLUBwdParams {
     const __nv_bfloat16* d_act;  // [R, I]: dy @ l2[e], before the routing weight
     const float* row_weight;     // [R]
     __nv_bfloat16* dz;           // [R, 2I]
-    __nv_bfloat16* act;          // [R, I]
+    __nv_bfloat16* act_weighted; // [R, I]
     float* row_dw;               // [R]
     const int* num_rows;         // on the GPU: the routed-row count (the layout's offsets[E])
     uint32_t inter;
@@ -41,10 +42,10 @@ __device__ __forceinline__ void moe_swiglu_bwd_impl(const MoESwiGLUBwdParams& p)
             #pragma unroll
             for (uint32_t i = 0; i < kVec; ++i) {
                 const epilogue::SwiGLUGrad g = epilogue::swiglu_grad(gate[i], up[i], w * d_act[i]);
-                act[i] = g.act, d_gate[i] = g.d_gate, d_up[i] = g.d_up;
+                act[i] = w * g.act, d_gate[i] = g.d_gate, d_up[i] = g.d_up;
                 dot += d_act[i] * g.act;
             }
-            ptx::store_bf16x8(p.act + a_row + col, act);
+            ptx::store_bf16x8(p.act_weighted + a_row + col, act);
             ptx::store_bf16x8(p.dz + h_row + col, d_gate);
             ptx::store_bf16x8(p.dz + h_row + p.inter + col, d_up);
         }
