@@ -50,9 +50,14 @@ def _setup_context(ctx, inputs, output):
     x, _, topk_weights, l1, l2 = inputs
     ctx.save_for_backward(x, l1, l2, *output[1:])
     ctx.topk_weights_dtype = topk_weights.dtype
+    # Only y reaches users; zero gradients for the saved outputs (h alone is 2I bf16 per
+    # routed slot) would be filled for nothing.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, *unused_grads):
+    if dy is None:
+        return None, None, None, None, None
     x, l1, l2, *saved = ctx.saved_tensors
     dx, dtopk_weights, dl1, dl2 = torch.ops.megamoe.backward(dy, x, l1, l2, *saved)
     return dx, None, dtopk_weights.to(ctx.topk_weights_dtype), dl1, dl2

@@ -57,11 +57,14 @@ def profile(fn, inputs, dy, title: str) -> None:
     """GPU time per kernel of one fwd+bwd (after a warm-up), largest first."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fn(*leaves).backward(dy)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         fn(*leaves).backward(dy)
         torch.cuda.synchronize()
-    print(f"-- {title}: GPU time per kernel, one fwd+bwd --")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+    print(f"-- {title}: GPU time per op (with input shapes), one fwd+bwd --")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=25,
+                                                             max_name_column_width=40, max_shapes_column_width=70),
+          flush=True)
 
 
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
@@ -98,13 +101,14 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, default=1, help="expert parallelism over this many GPUs")
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
     parser.add_argument("--profile", action="store_true", help="also print ours' GPU time per kernel (one fwd+bwd)")
+    parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
     args = parser.parse_args()
     if args.num_processes > 1:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, backend="nccl")
         return
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe}
-    if liger_impl() is not None:
+    if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     warm_up_gpu()

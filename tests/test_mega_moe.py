@@ -169,8 +169,10 @@ def _accuracy(T, H, I, E, K, routing, empty):
 
 
 @requires_sm90
+@pytest.mark.parametrize("fused_gather", [False, True], ids=["rows_copied", "rows_gathered"])
 @pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_accuracy_bar(label, T, H, I, E, K, routing, empty):
+def test_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty, fused_gather):
+    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
     for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
         assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
 

@@ -61,23 +61,27 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         const uint32_t t = threadIdx.x - kNumMathThreads;
         if (not kGatherA and t != 0)
             return;
-        // With kGatherA, thread t copies 16-byte piece t % 8 of tile rows t / 8 + 16 i, so
-        // each warp reads four whole 128-byte rows per cp.async.
-        constexpr uint32_t kGatherRows = kGatherA ? BLOCK_M / 16 : 1;
+        // With kGatherA, thread t copies 16-byte piece t % 8 of tile rows t / 8 + 16 i (i < 8),
+        // so each warp reads four whole 128-byte rows per cp.async. Lane l of warp w holds the
+        // source of tile row 4 w + l % 4 + 16 (l / 4) (-1: zeros, for rows past the group and
+        // indices out of range); the lanes that copy a row fetch it with a shuffle.
         constexpr uint32_t kTxBytes = kGatherA ? Smem::kBytesB : Smem::kBytesPerStage;
         while (scheduler.next(tile)) {
+            int32_t my_src = -1;
+            if constexpr (kGatherA) {
+                const uint32_t lane = t % 32, row = 4 * (t / 32) + lane % 4 + 16 * (lane / 4);
+                const int64_t src = row < tile.num_rows ? __ldg(p.a_row_index + tile.row_begin + row) : -1;
+                my_src = src >= 0 and src < p.a_rows ? static_cast<int32_t>(src) : -1;
+            }
             produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = k_block * BLOCK_K;
                 if constexpr (kGatherA) {
-                    // Indices are re-read (L1 hits) rather than held: the producer has 40 registers.
-                    // Rows past the group and indices out of range read zeros.
                     const uint32_t col = k + (t % 8) * 8;  // K % 8 == 0: a piece is all in or all out
-                    #pragma unroll 2
-                    for (uint32_t i = 0; i < kGatherRows; ++i) {
-                        const uint32_t row = t / 8 + 16 * i;
-                        const int64_t src = row < tile.num_rows ? __ldg(p.a_row_index + tile.row_begin + row) : -1;
-                        const bool valid = src >= 0 and src < p.a_rows and col < p.k;
-                        ptx::cp_async_16(smem.a(stage) + ptx::swizzle_128b_offset(row, t % 8),
+                    #pragma unroll
+                    for (uint32_t i = 0; i < BLOCK_M / 16; ++i) {
+                        const int32_t src = __shfl_sync(0xffffffff, my_src, 4 * i + (t % 32) / 8);
+                        const bool valid = src >= 0 and col < p.k;
+                        ptx::cp_async_16(smem.a(stage) + ptx::swizzle_128b_offset(t / 8 + 16 * i, t % 8),
                                          p.a + static_cast<uint64_t>(valid ? src : 0) * p.k + col, valid);
                     }
                     ptx::cp_async_arrive_noinc(bar);
