@@ -178,6 +178,20 @@ def test_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty, fused_g
 
 
 @requires_sm90
+@pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gathered_rows_equal_copied_rows(monkeypatch, label, T, H, I, E, K, routing, empty):
+    """Gathering rows inside the GEMM loads is exact: bitwise the results of copying them first."""
+    p = make_moe_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", routing=routing, empty_slot_frac=empty)
+    results = []
+    for fused_gather in (False, True):
+        monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
+        y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+        results.append((y, *mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)))
+    for name, copied, gathered in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), *results):
+        assert torch.equal(copied, gathered), name
+
+
+@requires_sm90
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_kernel(weighted):
     from deep_gemm.moe.glue import moe_combine_bf16
