@@ -150,8 +150,8 @@ GPU_CASES = [  # (label, T, H, I, E, K, routing, empty_slot_frac): the standard 
 ]
 
 
-def _accuracy(T, H, I, E, K, routing, empty):
-    """Relative errors of ours and of the baseline, per output, against float64."""
+def _one_draw(T, H, I, E, K, routing, empty):
+    """(ours, baseline, float64 reference) outputs y, dx, dtopk_weights, dl1, dl2 on fresh inputs."""
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", routing=routing, empty_slot_frac=empty)
     x, idx, w, l1, l2, dy = p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], p["dy"]
     y, handle = deep_gemm.bf16_mega_moe(x, idx, w, l1, l2, training=True)
@@ -164,8 +164,18 @@ def _accuracy(T, H, I, E, K, routing, empty):
 
     f64 = [t.detach().double() if t.is_floating_point() else t for t in (x, idx, w, l1, l2, dy)]
     ref = (reference_forward(*f64[:5]), *reference_backward(*f64))
+    return ours, base, ref
+
+
+def _accuracy(T, H, I, E, K, routing, empty):
+    """Relative errors of ours and of the baseline, per output, against float64. A tiny problem
+    has few outputs (T = 1: four routing-weight gradients), whose error ratio is noise; small
+    problems pool the outputs of several fresh draws (up to 16) into one error."""
+    draws = [_one_draw(T, H, I, E, K, routing, empty) for _ in range(min(16, max(1, 64 // max(T, 1))))]
     names = ("y", "dx", "dtopk_weights", "dl1", "dl2")
-    return {n: (relative_error(o, r), relative_error(b, r)) for n, o, b, r in zip(names, ours, base, ref)}
+    pooled = lambda which, i: torch.cat([d[which][i].detach().flatten().double() for d in draws])  # noqa: E731
+    return {name: (relative_error(pooled(0, i), pooled(2, i)), relative_error(pooled(1, i), pooled(2, i)))
+            for i, name in enumerate(names)}
 
 
 @requires_sm90
