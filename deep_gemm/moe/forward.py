@@ -17,11 +17,11 @@ from .layout import RoutingLayout, build_routing_layout
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
 DIM_MULTIPLE = 64
 
-# Gather token rows inside the GEMMs' loads (True) or into a permuted copy first (False), and
+# Gather token rows inside the GEMMs' loads (True) or into permuted copies first (False), and
 # compute SwiGLU in GEMM1's epilogue (True, when I % 128 == 0) or in a separate pass (False);
-# both paths are kept so that benchmarks can compare them. The copy is the default: the
-# fused gather (one single-row TMA copy per row) ran GEMM1 5x slower on an H200 (30B: 6.9 ms
-# against 1.33 ms), far more than the copy's ~0.25 ms (docs/PERF.md).
+# both paths are kept so that benchmarks can compare them. Measured on an H200 (30B, fwd+bwd):
+# copies 7.67 ms with 3.69 GB peak, gathers 8.35 ms with 2.69 GB (the gathering weight-gradient
+# GEMMs are the slow part; docs/PERF.md). The copies are the default.
 FUSED_GATHER = False
 FUSED_SWIGLU = True
 
