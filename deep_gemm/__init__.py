@@ -10,6 +10,7 @@ from .gemm import (
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
 )
 from .moe import bf16_mega_moe
+from .moe.symm import get_symm_buffer_for_mega_moe
 from .utils import get_num_sms, set_num_sms
 
 # The backward and the autograd layer live in the sibling package `megamoe_bwd`, which builds
@@ -25,6 +26,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "bf16_mega_moe",
+    "get_symm_buffer_for_mega_moe",
     "mega_moe_backward",
     "mega_moe",
     "MegaMoE",

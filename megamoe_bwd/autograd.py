@@ -85,17 +85,21 @@ class MegaMoE(torch.nn.Module):
     stays outside. With a process `group`, the `num_experts` experts are spread over its
     ranks (rank r holds global experts ``[r * E_local, (r + 1) * E_local)``), `topk_idx` holds
     global ids, and tokens travel to their experts' ranks and back; gradients of `x` and
-    `topk_weights` return to the token's rank, weight gradients stay with the expert's. (The
-    exchange is currently `all_to_all_single` over NCCL: `megamoe_bwd.ep.ep_mega_moe_nccl`.)
+    `topk_weights` return to the token's rank, weight gradients stay with the expert's. The
+    exchange goes over NVLink through `buffer` (`deep_gemm.get_symm_buffer_for_mega_moe`,
+    `megamoe_bwd.ep.ep_mega_moe_nvlink`) when one is given, else over NCCL all-to-alls
+    (`megamoe_bwd.ep.ep_mega_moe_nccl`, e.g. across nodes).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
-                 group: "torch.distributed.ProcessGroup | None" = None):
+                 group: "torch.distributed.ProcessGroup | None" = None, buffer=None):
         super().__init__()
-        self.group = group
+        self.group, self.buffer = group, buffer
         world = torch.distributed.get_world_size(group) if group is not None else 1
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
+        if buffer is not None and group is None:
+            raise ValueError("a symmetric buffer needs the process group it was made for")
         factory = dict(device=device, dtype=torch.bfloat16)
         num_local = num_experts // world
         self.l1 = torch.nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, **factory))
@@ -110,5 +114,7 @@ class MegaMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2)
-        from .ep.nccl import ep_mega_moe_nccl  # the EP package builds on this module
+        from .ep import ep_mega_moe_nccl, ep_mega_moe_nvlink  # the EP package builds on this module
+        if self.buffer is not None:
+            return ep_mega_moe_nvlink(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
         return ep_mega_moe_nccl(x, topk_idx, topk_weights, self.l1, self.l2, self.group)

@@ -14,10 +14,11 @@ and writes a PNG bar chart next to the table (`--plot`).
     python scripts/bench_mega_moe.py [--models 30b,235b,v3] [--routing uniform,skewed] [--plot PATH]
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
-TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our interim path
-(the same all-to-all exchange around our fused layer, `ep_mega_moe_nccl`) and the
-compute-only time of each rank's expert MLPs (torch._grouped_mm on uniform groups), and
-reports per-GPU numbers (the slowest rank's median). The built-in NVLink path is not written yet.
+TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
+(`ep_mega_moe_nvlink`, tokens pushed through a symmetric buffer), our interim path (the
+all-to-all exchange around our fused layer, `ep_mega_moe_nccl`) and the compute-only time of
+each rank's expert MLPs (torch._grouped_mm on uniform groups), and reports per-GPU numbers
+(the slowest rank's median).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import torch.distributed as dist  # noqa: E402
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
-from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, launch  # noqa: E402
+from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
+from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, ep_mega_moe_nvlink, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
@@ -158,7 +160,9 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
               f"{'TFLOPS/GPU':>10}", flush=True)
     for model in models.split(","):
         hidden, inter, experts, topk, default_tokens = MODELS[model]
-        for tokens in ([int(t) for t in tokens_arg.split(",")] if tokens_arg else [default_tokens]):
+        token_counts = [int(t) for t in tokens_arg.split(",")] if tokens_arg else [default_tokens]
+        buffer = get_symm_buffer_for_mega_moe(None, experts, max(token_counts), topk, hidden, inter)
+        for tokens in token_counts:
             flops = 18 * tokens * topk * hidden * inter
             for routing in routings.split(","):
                 p = make_moe_inputs(tokens, hidden, inter, experts, topk, device="cuda", routing=routing,
@@ -172,6 +176,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                 offs = torch.arange(1, l1.shape[0] + 1, device="cuda", dtype=torch.int32) * per_expert
                 timings = {
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
+                    "ours, nvlink": time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
                     "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     "torch compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
                                                  torch.randn_like(rows)),

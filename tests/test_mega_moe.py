@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 import deep_gemm.moe.forward as moe_forward_module  # noqa: E402
-import megamoe_bwd.backward as moe_backward_module  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.testing import emulate  # noqa: E402
+from emulated_kernels import patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, grouped_mm_moe, mega_moe, mega_moe_backward  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
@@ -41,14 +41,7 @@ ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac)
 
 @pytest.fixture
 def emulated_gemms(monkeypatch):
-    monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_contiguous", emulate.m_grouped_gemm_nt)
-    monkeypatch.setattr(moe_forward_module, "m_grouped_bf16_gemm_nt_swiglu_contiguous", emulate.m_grouped_gemm_nt_swiglu)
-    monkeypatch.setattr(moe_forward_module, "moe_combine_bf16", emulate.moe_combine)
-    monkeypatch.setattr(moe_forward_module, "moe_swiglu_fwd_bf16", emulate.moe_swiglu_fwd)
-    monkeypatch.setattr(moe_backward_module, "moe_combine_bf16", emulate.moe_combine)
-    monkeypatch.setattr(moe_backward_module, "moe_swiglu_bwd_bf16", emulate.moe_swiglu_bwd)
-    monkeypatch.setattr(moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn)
-    monkeypatch.setattr(moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn)
+    patch_kernels(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_gather_swiglu", "separate_passes"])

@@ -5,8 +5,9 @@ float64 reference of the whole problem, restricted to that rank's tokens and exp
 
 runs on N GPUs with NCCL when there are N, else with gloo on the CPU (fp32); pytest runs 2
 processes the same way. Multicast/NVLS stays off (`megamoe_bwd.ep.launch` sets the three
-variables). Implementations checked: the TorchTitan-style all-to-all baseline and, on GPUs,
-ours with the all-to-all exchange (`ep_mega_moe_nccl`).
+variables). Implementations checked: the TorchTitan-style all-to-all baseline; ours over
+NVLink (`ep_mega_moe_nvlink`, a symmetric-memory buffer; on the CPU, buffers in shared memory
+and emulated kernels); on GPUs, ours with the all-to-all exchange (`ep_mega_moe_nccl`).
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ import argparse
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, launch  # noqa: E402
+from deep_gemm.moe.symm import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: E402
+from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, ep_mega_moe_nvlink, launch  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 H, I, K, E_LOCAL = 64, 64, 4, 4
+MAX_TOKENS = 64  # per rank, for the NVLink path's buffer
 # case: (tokens per rank as a function of world size, routing, empty-slot fraction)
 CASES = {
     "uniform": (lambda world: [24] * world, "uniform", 0.0),
@@ -30,12 +34,16 @@ CASES = {
     "rank 0 receives most": (lambda world: [24] * world, "rank0", 0.0),
     "a rank with no tokens": (lambda world: [0] + [40] * (world - 1), "skewed", 0.0),
 }
+_BUFFER: list = []  # this process's SymmBuffer, made once by _run_all
 IMPLS = {
     "all_to_all baseline": all_to_all_moe,
     "baseline, fp32 combine": lambda *args: all_to_all_moe(*args, deterministic_combine=True),
+    "ours (nvlink)": lambda *args: ep_mega_moe_nvlink(*args, _BUFFER[0]),
     "ours (nccl exchange)": ep_mega_moe_nccl,
 }
-CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine")  # ours needs the GPU kernels
+# On the CPU, ours runs with emulated kernels, in bf16 (its buffers' dtype).
+CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine", "ours (nvlink)")
+BF16_IMPLS = ("ours (nvlink)", "ours (nccl exchange)")
 
 
 def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: torch.dtype) -> dict:
@@ -55,7 +63,7 @@ def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: t
 def _check_rank(rank: int, world: int, impl_name: str, case: str, device: torch.device, tol: float) -> dict:
     tokens_fn, routing, empty = CASES[case]
     tokens = tokens_fn(world)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or impl_name in BF16_IMPLS else torch.float32
     p = _problem(tokens, world, routing, empty, dtype)
     begin = sum(tokens[:rank])
     mine = slice(begin, begin + tokens[rank])
@@ -86,23 +94,69 @@ def _check_rank(rank: int, world: int, impl_name: str, case: str, device: torch.
     return errors
 
 
-def _run_all(rank: int, world: int, verbose: bool) -> None:
+def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list) -> SymmBuffer:
+    if device.type == "cuda":
+        return get_symm_buffer_for_mega_moe(None, E_LOCAL * world, MAX_TOKENS, K, H, I)
+    from emulated_kernels import patch_kernels
+    patch_kernels()
+    return SymmBuffer(cpu_storages, rank, None, E_LOCAL * world, MAX_TOKENS, K, H, barrier=dist.barrier)
+
+
+def _run_all(rank: int, world: int, verbose: bool, cpu_storages: list) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    tol = 2e-2 if device.type == "cuda" else 1e-5
+    _BUFFER.append(_make_buffer(rank, world, device, cpu_storages))
     for impl_name in (IMPLS if device.type == "cuda" else CPU_IMPLS):
+        tol = 2e-2 if impl_name in BF16_IMPLS or device.type == "cuda" else 1e-5
         for case in CASES:
             errors = _check_rank(rank, world, impl_name, case, device, tol)
             if verbose and rank == 0:
                 print(f"{impl_name:<22} {case:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
 
 
+def _cpu_storages(world: int) -> list:
+    """Shared-memory stand-ins for the symmetric buffers of `world` CPU ranks."""
+    nbytes = SymmBuffer.nbytes(world, E_LOCAL * world, MAX_TOKENS, K, H)
+    return [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
+
+
+def run(world: int, verbose: bool) -> None:
+    gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    launch(_run_all, world, verbose, [] if gpus else _cpu_storages(world))
+
+
 def test_ep_two_processes():
-    launch(_run_all, 2, False)
+    run(2, False)
+
+
+def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
+    storage = torch.zeros(SymmBuffer.nbytes(1, E_LOCAL, max_tokens, K, H), dtype=torch.uint8)
+    return SymmBuffer([storage], 0, None, E_LOCAL, max_tokens, K, H, barrier=lambda: None)
+
+
+def test_plan_groups_received_rows_by_expert():
+    from deep_gemm.moe.ep import build_ep_plan
+    idx = torch.tensor([[2, 0, -1, 3], [0, 1, 2, 3], [3, -1, -1, 0]])
+    plan = build_ep_plan(idx, _one_rank_buffer())
+    sent = plan.send_row[plan.send_row >= 0]
+    assert sorted(sent.tolist()) == list(range(sent.numel())), "received rows must be dense"
+    experts_in_row_order = idx.flatten()[plan.send_row.argsort()][-sent.numel():]
+    assert experts_in_row_order.tolist() == sorted(experts_in_row_order.tolist())
+    assert plan.recv_offsets.tolist() == [0, 3, 4, 6, 9]
+    assert (plan.send_row[idx.flatten() < 0] == -1).all()
+
+
+def test_nvlink_path_rejects_what_its_buffer_cannot_hold():
+    p = make_moe_inputs(9, H, I, E_LOCAL, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="holds up to 8 tokens"):
+        ep_mega_moe_nvlink(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer())
+    p = make_moe_inputs(4, H, I, 2 * E_LOCAL, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="l1 holds 8 experts"):
+        ep_mega_moe_nvlink(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer())
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-processes", type=int, default=2)
     args = parser.parse_args()
-    launch(_run_all, args.num_processes, True)
+    run(args.num_processes, True)
     print(f"all EP cases passed on {args.num_processes} processes")

@@ -1,5 +1,6 @@
-"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh): SwiGLU
-forward, SwiGLU backward with the routing-weight gradient, and the weighted combine. All bf16 with fp32 math, 16-byte accesses, no host sync
+"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh, ep_*.cuh):
+SwiGLU forward, SwiGLU backward with the routing-weight gradient, the weighted combine, and
+the expert-parallel row push into other ranks' buffers. All bf16 with fp32 math, 16-byte accesses, no host sync
 (routed-row counts are read on the GPU), deterministic (no atomics)."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from ..jit.runtime import build_kernel, pack_params
 from ..utils import get_num_sms
 from .layout import RoutingLayout
+from .symm import PeerRegion
 
 
 # kernel (impls/<name>.cuh, entry <name>_impl) -> (parameter struct, threads per CTA, CTAs per SM)
@@ -18,6 +20,7 @@ _KERNELS = {
     "moe_combine": ("MoECombineParams", 256, 8),
     "moe_swiglu_fwd": ("MoESwiGLUFwdParams", 256, 8),
     "moe_swiglu_bwd": ("MoESwiGLUBwdParams", 128, 16),
+    "ep_push_rows": ("EpPushRowsParams", 256, 4),
 }
 
 
@@ -100,3 +103,35 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
                                         act_weighted.data_ptr(), row_dw.data_ptr(), _num_rows_ptr(layout)],
                 [inter], h.device.index)
     return dz, act_weighted, row_dw
+
+
+def ep_push_rows(src: torch.Tensor, src_row: Optional[torch.Tensor], dst_rank: torch.Tensor, dst_row: torch.Tensor,
+                 dst_rows: PeerRegion, *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
+                 i32: Optional[torch.Tensor] = None, dst_i32: Optional[PeerRegion] = None,
+                 num_valid: Optional[torch.Tensor] = None) -> None:
+    """Writes ``src[src_row[i]]`` (``src[i]`` if `src_row` is None) as row ``dst_row[i]`` of rank
+    ``dst_rank[i]``'s destination region, for i < n = ``dst_row.numel()`` (and i < ``num_valid[0]``
+    when given, read on the GPU); rows with ``dst_row[i] < 0`` are skipped.
+
+    src ``[*, H]`` bf16 (H % 8 == 0); src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``;
+    dst_rows / dst_f32 / dst_i32: a region of every rank's symmetric buffer (`SymmBuffer.region`);
+    `f32` (float32 ``[n]``) and `i32` (int32 ``[n]``) are written alongside into `dst_f32` /
+    `dst_i32`, indexed by dst_row. Stream-ordered; the caller barriers before peers read.
+    """
+    _check_bf16(src=src)
+    n, hidden = dst_row.numel(), src.shape[1]
+    if hidden % 8:
+        raise ValueError(f"H = {hidden} must be a multiple of 8")
+    for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
+                           ("src_row", src_row, torch.int64), ("f32", f32, torch.float32), ("i32", i32, torch.int32)):
+        if t is not None and (t.dtype != dtype or t.numel() != n or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {n} elements")
+    if (f32 is None) != (dst_f32 is None) or (i32 is None) != (dst_i32 is None):
+        raise ValueError("each payload needs its destination addresses")
+    if n == 0:
+        return
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    region = lambda r: 0 if r is None else r.addresses.data_ptr()  # noqa: E731
+    _launch("ep_push_rows", [src.data_ptr(), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
+                             ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
+            [n, hidden], src.device.index)

@@ -3,5 +3,6 @@ rank e // E_local), tokens exchanged between ranks."""
 from .baseline import all_to_all_moe
 from .launch import launch
 from .nccl import ep_mega_moe_nccl
+from .nvlink import ep_mega_moe_nvlink
 
-__all__ = ["all_to_all_moe", "ep_mega_moe_nccl", "launch"]
+__all__ = ["all_to_all_moe", "ep_mega_moe_nccl", "ep_mega_moe_nvlink", "launch"]

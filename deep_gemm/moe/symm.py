@@ -1,0 +1,141 @@
+"""The symmetric buffer of the built-in expert-parallel path: one allocation of the same size
+on every rank of a process group, each rank's copy addressable by the others (PyTorch
+symmetric memory over NVLink), which the exchange kernels write into directly.
+
+One buffer serves every MoE layer of a model (layers use it one after another); it is
+sized for the largest layer and the most tokens a rank will hold.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+# A barrier that waits longer than this fails the launch instead of hanging (a rank crashed).
+BARRIER_TIMEOUT_MS = 30_000
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class PeerRegion:
+    """One region of every rank's buffer: `tensors[r]` is rank r's copy as mapped in this
+    process; `addresses` holds their addresses as int64 ``[world]`` on the GPU (for kernels;
+    None for the CPU buffers of the tests)."""
+
+    tensors: tuple
+    addresses: Optional[torch.Tensor]
+
+
+def _regions(world: int, num_local_experts: int, max_tokens: int, num_topk: int, hidden: int) -> list:
+    """(name, shape, dtype) of every region. Rows a rank can receive: each of the world's
+    tokens may send up to min(K, E_local) of its slots to one rank."""
+    max_slots = max_tokens * num_topk
+    max_recv = world * max_tokens * min(num_topk, num_local_experts)
+    return [
+        ("x", (max_tokens, hidden), torch.bfloat16),  # for callers that stage their inputs here
+        ("topk_idx", (max_tokens, num_topk), torch.int64),
+        ("topk_weights", (max_tokens, num_topk), torch.float32),
+        ("counts", (world, world, num_local_experts), torch.int32),  # [src, dst, local expert]
+        ("recv_rows", (max_recv, hidden), torch.bfloat16),  # rows received, grouped by local expert
+        ("recv_rows2", (max_recv, hidden), torch.bfloat16),  # x's rows again in the backward
+        ("recv_weight", (max_recv,), torch.float32),  # their routing weights
+        ("recv_src", (max_recv,), torch.int32),  # their origin: src_rank * max_slots + slot
+        ("back_rows", (max_slots, hidden), torch.bfloat16),  # expert outputs of this rank's slots
+        ("back_dw", (max_slots,), torch.float32),  # routing-weight gradients of this rank's slots
+    ]
+
+
+def _layout(regions: list) -> tuple[dict, int]:
+    offsets, size = {}, 0
+    for name, shape, dtype in regions:
+        offsets[name] = size
+        size += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _carve(storage: torch.Tensor, regions: list, offsets: dict) -> dict:
+    views = {}
+    for name, shape, dtype in regions:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views[name] = storage[offsets[name]:offsets[name] + nbytes].view(dtype).view(shape)
+    return views
+
+
+class SymmBuffer:
+    """The buffer of `get_symm_buffer_for_mega_moe`. `local` holds this rank's regions by
+    name (the caller may fill ``local["x"]``, ``local["topk_idx"]`` and ``local["topk_weights"]``);
+    `region(name)` gives the region across ranks for the exchange kernels; `barrier()` is a
+    stream-ordered barrier of the group."""
+
+    def __init__(self, storages: list, rank: int, group: Optional[dist.ProcessGroup], num_experts: int,
+                 max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None]):
+        world = len(storages)
+        if num_experts % world:
+            raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
+        self.rank, self.world, self.group = rank, world, group
+        self.num_experts, self.num_local_experts = num_experts, num_experts // world
+        self.max_tokens, self.num_topk, self.hidden = max_tokens, num_topk, hidden
+        self.max_slots = max_tokens * num_topk
+        self._regions = _regions(world, self.num_local_experts, max_tokens, num_topk, hidden)
+        offsets, _ = _layout(self._regions)
+        self._peers = [_carve(s, self._regions, offsets) for s in storages]
+        self.local = self._peers[rank]
+        self._barrier = barrier
+        self._region_cache: dict = {}
+
+    @staticmethod
+    def nbytes(world: int, num_experts: int, max_tokens: int, num_topk: int, hidden: int) -> int:
+        return _layout(_regions(world, num_experts // world, max_tokens, num_topk, hidden))[1]
+
+    def region(self, name: str) -> PeerRegion:
+        if name not in self._region_cache:
+            tensors = tuple(peer[name] for peer in self._peers)
+            addresses = None
+            if tensors[0].is_cuda:
+                addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+            self._region_cache[name] = PeerRegion(tensors, addresses)
+        return self._region_cache[name]
+
+    def barrier(self) -> None:
+        self._barrier()
+
+    def check_fits(self, num_tokens: int, num_topk: int, hidden: int) -> None:
+        if num_tokens > self.max_tokens or num_topk != self.num_topk or hidden != self.hidden:
+            raise ValueError(f"the buffer holds up to {self.max_tokens} tokens of K = {self.num_topk}, "
+                             f"H = {self.hidden}; got {num_tokens} tokens, K = {num_topk}, H = {hidden}")
+
+
+def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts: int, num_max_tokens_per_rank: int,
+                                 num_topk: int, hidden: int, intermediate_hidden: int) -> SymmBuffer:
+    """Allocates (collectively: every rank of `group` must call it with the same arguments)
+    the symmetric buffer of the built-in NVLink expert-parallel MoE.
+
+    Args:
+        group: the expert-parallel process group (None: the default group); one GPU per rank,
+            all GPUs of one node (NVLink peers).
+        num_experts: experts of the whole layer; rank r holds ``[r * E / world, (r + 1) * E / world)``.
+        num_max_tokens_per_rank: the most tokens any rank passes to one layer call.
+        num_topk: K, slots per token.
+        hidden: H.
+        intermediate_hidden: I (checked against the weights at each call; the buffer itself
+            holds no intermediate activations).
+
+    Returns a `SymmBuffer` of about ``(2 * world * T * min(K, E_local) + T * (K + 1)) * H * 2``
+    bytes per rank; reuse it for every layer.
+    """
+    del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nbytes = SymmBuffer.nbytes(world, num_experts, num_max_tokens_per_rank, num_topk, hidden)
+    storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    handle = symm_mem.rendezvous(storage, group.group_name)
+    storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
+    buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                        barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS))
+    buffer.handle = handle  # keeps the mapping alive
+    return buffer

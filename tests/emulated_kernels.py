@@ -1,0 +1,27 @@
+"""Swaps every kernel the MoE orchestration calls for its PyTorch emulation
+(`deep_gemm.testing.emulate`), so the orchestration runs on a CPU in any dtype."""
+from typing import Callable
+
+import deep_gemm.moe.forward as moe_forward_module
+import megamoe_bwd.backward as moe_backward_module
+import megamoe_bwd.ep.nvlink as nvlink_module
+from deep_gemm.testing import emulate
+
+REPLACEMENTS = [
+    (moe_forward_module, "m_grouped_bf16_gemm_nt_contiguous", emulate.m_grouped_gemm_nt),
+    (moe_forward_module, "m_grouped_bf16_gemm_nt_swiglu_contiguous", emulate.m_grouped_gemm_nt_swiglu),
+    (moe_forward_module, "moe_combine_bf16", emulate.moe_combine),
+    (moe_forward_module, "moe_swiglu_fwd_bf16", emulate.moe_swiglu_fwd),
+    (moe_backward_module, "moe_combine_bf16", emulate.moe_combine),
+    (moe_backward_module, "moe_swiglu_bwd_bf16", emulate.moe_swiglu_bwd),
+    (moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn),
+    (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
+    (nvlink_module, "moe_combine_bf16", emulate.moe_combine),
+    (nvlink_module, "ep_push_rows", emulate.ep_push_rows),
+]
+
+
+def patch_kernels(setattr_fn: Callable = setattr) -> None:
+    """Applies every replacement with `setattr_fn` (pytest's monkeypatch.setattr to undo them)."""
+    for module, name, emulation in REPLACEMENTS:
+        setattr_fn(module, name, emulation)
