@@ -56,17 +56,30 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         if (not kGather and t != 0)
             return;
         constexpr uint32_t kTxBytes = (kGatherA ? 0 : Smem::kBytesA) + (kGatherB ? 0 : Smem::kBytesB);
+        using GatherA = ptx::MNMajorRowGather<BLOCK_M, kMNChunkBytes>;
+        using GatherB = ptx::MNMajorRowGather<BLOCK_N, kMNChunkBytes>;
         while (scheduler.next(tile)) {
             const uint32_t num_k_blocks = ptx::ceil_div(tile.k_end - tile.k_begin, BLOCK_K);
+            // Row indices of gathered operands, loaded one k-block ahead of their copies.
+            int64_t next_a = 0, next_b = 0;
+            if (kGatherA and num_k_blocks > 0)
+                next_a = GatherA::load_index(p.a_row_index, p.rows, tile.k_begin, t);
+            if (kGatherB and num_k_blocks > 0)
+                next_b = GatherB::load_index(p.b_row_index, p.rows, tile.k_begin, t);
             produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                 const uint32_t k = tile.k_begin + k_block * BLOCK_K;
                 // Gathered K rows past the group are zero-filled by the math warpgroups before use.
+                const int64_t index_a = next_a, index_b = next_b;
+                if (k_block + 1 < num_k_blocks) {
+                    if constexpr (kGatherA)
+                        next_a = GatherA::load_index(p.a_row_index, p.rows, k + BLOCK_K, t);
+                    if constexpr (kGatherB)
+                        next_b = GatherB::load_index(p.b_row_index, p.rows, k + BLOCK_K, t);
+                }
                 if constexpr (kGatherA)
-                    ptx::gather_k_rows_mn_major<BLOCK_M, kMNChunkBytes>(smem.a(stage), p.a, p.a_rows, p.m, p.a_row_index,
-                                                                       p.rows, k, tile.m_begin, p.m, t);
+                    GatherA::copy(smem.a(stage), p.a, p.a_rows, p.m, index_a, tile.m_begin, p.m, t);
                 if constexpr (kGatherB)
-                    ptx::gather_k_rows_mn_major<BLOCK_N, kMNChunkBytes>(smem.b(stage), p.b, p.b_rows, p.n, p.b_row_index,
-                                                                       p.rows, k, tile.n_begin, p.n, t);
+                    GatherB::copy(smem.b(stage), p.b, p.b_rows, p.n, index_b, tile.n_begin, p.n, t);
                 if constexpr (kGather) {
                     ptx::cp_async_arrive_noinc(bar);
                     if (t != 0)
