@@ -33,6 +33,7 @@ CASES = {
     "empty slots": (lambda world: [17 + 3 * r for r in range(world)], "uniform", 0.3),
     "rank 0 receives most": (lambda world: [24] * world, "rank0", 0.0),
     "a rank with no tokens": (lambda world: [0] + [40] * (world - 1), "skewed", 0.0),
+    "a token names one expert twice": (lambda world: [20] * world, "repeat", 0.0),
 }
 _BUFFER: list = []  # this process's SymmBuffer, made once by _run_all
 IMPLS = {
@@ -50,7 +51,10 @@ def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: t
     """The whole problem, identical on every rank (same seed)."""
     num_experts = E_LOCAL * world
     p = make_moe_inputs(sum(tokens), H, I, num_experts, K, dtype=dtype,
-                        routing="uniform" if routing == "rank0" else routing, empty_slot_frac=empty, seed=1234)
+                        routing="uniform" if routing in ("rank0", "repeat") else routing, empty_slot_frac=empty,
+                        seed=1234)
+    if routing == "repeat":  # slot 1 repeats slot 0's expert
+        p["topk_idx"][:, 1] = p["topk_idx"][:, 0]
     if routing == "rank0":  # most slots go to rank 0's experts
         gen = torch.Generator().manual_seed(99)
         weights = torch.ones(num_experts)

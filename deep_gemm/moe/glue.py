@@ -35,6 +35,13 @@ def _launch(name: str, pointers: list[int], ints: list[int], device: int) -> Non
     _kernel(name).launch(pack_params([], pointers, ints), blocks_per_sm * get_num_sms(device), device)
 
 
+def precompile_exchange_kernels() -> None:
+    """Builds the kernels an expert-parallel layer may launch on some ranks only (a rank with no
+    tokens skips them), so that no rank compiles while the others wait in a barrier."""
+    for name in ("ep_push_rows", "moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd"):
+        _kernel(name)
+
+
 def all_kernels() -> list:
     """(name, builder) of every glue kernel, for compile checks."""
     return [(name, functools.partial(_kernel, name)) for name in _KERNELS]

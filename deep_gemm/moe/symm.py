@@ -8,14 +8,16 @@ sized for the largest layer and the most tokens a rank will hold.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-# A barrier that waits longer than this fails the launch instead of hanging (a rank crashed).
-BARRIER_TIMEOUT_MS = 30_000
+# A barrier that waits longer than this fails the launch (and with it the CUDA context) instead
+# of hanging when a rank died. Generous: a rank may be compiling kernels or saving a checkpoint.
+BARRIER_TIMEOUT_MS = int(os.environ.get("DG_EP_BARRIER_TIMEOUT_MS", 600_000))
 _ALIGN = 256
 
 
@@ -30,10 +32,10 @@ class PeerRegion:
 
 
 def _regions(world: int, num_local_experts: int, max_tokens: int, num_topk: int, hidden: int) -> list:
-    """(name, shape, dtype) of every region. Rows a rank can receive: each of the world's
-    tokens may send up to min(K, E_local) of its slots to one rank."""
+    """(name, shape, dtype) of every region. Rows a rank can receive: all K slots of every
+    token of the world (a token may name one expert more than once)."""
     max_slots = max_tokens * num_topk
-    max_recv = world * max_tokens * min(num_topk, num_local_experts)
+    max_recv = world * max_slots
     return [
         ("x", (max_tokens, hidden), torch.bfloat16),  # for callers that stage their inputs here
         ("topk_idx", (max_tokens, num_topk), torch.int64),
@@ -84,20 +86,23 @@ class SymmBuffer:
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
         self._barrier = barrier
-        self._region_cache: dict = {}
+        # Peer addresses for the kernels, built now: later, a host-to-device copy would block
+        # the host and could not be captured in a CUDA graph.
+        self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
 
     @staticmethod
     def nbytes(world: int, num_experts: int, max_tokens: int, num_topk: int, hidden: int) -> int:
         return _layout(_regions(world, num_experts // world, max_tokens, num_topk, hidden))[1]
 
+    def _make_region(self, name: str) -> PeerRegion:
+        tensors = tuple(peer[name] for peer in self._peers)
+        addresses = None
+        if tensors[0].is_cuda:
+            addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+        return PeerRegion(tensors, addresses)
+
     def region(self, name: str) -> PeerRegion:
-        if name not in self._region_cache:
-            tensors = tuple(peer[name] for peer in self._peers)
-            addresses = None
-            if tensors[0].is_cuda:
-                addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
-            self._region_cache[name] = PeerRegion(tensors, addresses)
-        return self._region_cache[name]
+        return self._regions_by_name[name]
 
     def barrier(self) -> None:
         self._barrier()
@@ -123,18 +128,28 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         intermediate_hidden: I (checked against the weights at each call; the buffer itself
             holds no intermediate activations).
 
-    Returns a `SymmBuffer` of about ``(2 * world * T * min(K, E_local) + T * (K + 1)) * H * 2``
-    bytes per rank; reuse it for every layer.
+    Returns a `SymmBuffer` of about ``(2 * world + 1) * T * K * H * 2`` bytes per rank; reuse it
+    for every layer. Also compiles the exchange kernels now, so that no rank compiles inside a
+    barrier of the first layer (ranks wait at most DG_EP_BARRIER_TIMEOUT_MS, default 10 min,
+    for each other). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
     del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (DESIGN.md)
     import torch.distributed._symmetric_memory as symm_mem
+
+    from .glue import precompile_exchange_kernels
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = SymmBuffer.nbytes(world, num_experts, num_max_tokens_per_rank, num_topk, hidden)
     storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     handle = symm_mem.rendezvous(storage, group.group_name)
-    storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
+    # The allocation may sit inside a pool segment: peers' copies are at the same offset.
+    offset = getattr(handle, "offset", 0)
+    if handle.buffer_ptrs[rank] + offset != storage.data_ptr():
+        raise RuntimeError("symmetric memory: this rank's buffer is not where the handle says")
+    storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset) for r in range(world)]
+    precompile_exchange_kernels()
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                         barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS))
     buffer.handle = handle  # keeps the mapping alive
