@@ -86,15 +86,24 @@ class MegaMoE(torch.nn.Module):
     ranks (rank r holds global experts ``[r * E_local, (r + 1) * E_local)``), `topk_idx` holds
     global ids, and tokens travel to their experts' ranks and back; gradients of `x` and
     `topk_weights` return to the token's rank, weight gradients stay with the expert's. The
-    exchange goes over NVLink through `buffer` (`deep_gemm.get_symm_buffer_for_mega_moe`,
-    `megamoe_bwd.ep.ep_mega_moe_nvlink`) when one is given, else over NCCL all-to-alls
-    (`megamoe_bwd.ep.ep_mega_moe_nccl`, e.g. across nodes).
+    exchange (`backend`):
+      - "nvlink": our kernels through `buffer` (`deep_gemm.get_symm_buffer_for_mega_moe`,
+        `megamoe_bwd.ep.ep_mega_moe_nvlink`), one node;
+      - "deep_ep": DeepEP, `buffer` a `deep_ep.Buffer` (`megamoe_bwd.ep.make_deep_ep_buffer`),
+        also across nodes;
+      - "nccl": `all_to_all_single` (`megamoe_bwd.ep.ep_mega_moe_nccl`), no buffer.
+    The default picks "nvlink" with a buffer and "nccl" without.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
-                 group: "torch.distributed.ProcessGroup | None" = None, buffer=None):
+                 group: "torch.distributed.ProcessGroup | None" = None, buffer=None, backend: str | None = None):
         super().__init__()
-        self.group, self.buffer = group, buffer
+        backend = backend or ("nvlink" if buffer is not None else "nccl")
+        if group is not None and backend not in ("nvlink", "deep_ep", "nccl"):
+            raise ValueError(f"unknown backend {backend!r}: pick 'nvlink', 'deep_ep' or 'nccl'")
+        if group is not None and (buffer is None) != (backend == "nccl"):
+            raise ValueError(f"backend {backend!r} {'takes no' if backend == 'nccl' else 'needs a'} buffer")
+        self.group, self.buffer, self.backend = group, buffer, backend
         world = torch.distributed.get_world_size(group) if group is not None else 1
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
@@ -114,7 +123,9 @@ class MegaMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2)
-        from .ep import ep_mega_moe_nccl, ep_mega_moe_nvlink  # the EP package builds on this module
-        if self.buffer is not None:
-            return ep_mega_moe_nvlink(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
-        return ep_mega_moe_nccl(x, topk_idx, topk_weights, self.l1, self.l2, self.group)
+        from . import ep  # the EP package builds on this module
+        if self.backend == "nvlink":
+            return ep.ep_mega_moe_nvlink(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
+        if self.backend == "deep_ep":
+            return ep.ep_mega_moe_deep_ep(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
+        return ep.ep_mega_moe_nccl(x, topk_idx, topk_weights, self.l1, self.l2, self.group)

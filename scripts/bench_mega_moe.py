@@ -15,8 +15,9 @@ and writes a PNG bar chart next to the table (`--plot`).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
-(`ep_mega_moe_nvlink`, tokens pushed through a symmetric buffer), our interim path (the
-all-to-all exchange around our fused layer, `ep_mega_moe_nccl`) and the compute-only time of
+(`ep_mega_moe_nvlink`, tokens pushed through a symmetric buffer), ours over DeepEP when it is
+installed (`ep_mega_moe_deep_ep`), our interim path (the all-to-all exchange around our fused
+layer, `ep_mega_moe_nccl`) and the compute-only time of
 each rank's expert MLPs (torch._grouped_mm on uniform groups), and reports per-GPU numbers
 (the slowest rank's median).
 """
@@ -36,7 +37,8 @@ from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
-from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, ep_mega_moe_nvlink, launch  # noqa: E402
+from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
+                           launch, make_deep_ep_buffer)
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
 
 MODELS = {  # name: (H, I, E, top-k, tokens)
@@ -44,6 +46,14 @@ MODELS = {  # name: (H, I, E, top-k, tokens)
     "235b": (4096, 1536, 128, 8, 16384),
     "v3": (7168, 2048, 256, 8, 8192),
 }
+
+
+def deep_ep_available() -> bool:
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def liger_impl():
@@ -162,6 +172,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
         hidden, inter, experts, topk, default_tokens = MODELS[model]
         token_counts = [int(t) for t in tokens_arg.split(",")] if tokens_arg else [default_tokens]
         buffer = get_symm_buffer_for_mega_moe(None, experts, max(token_counts), topk, hidden, inter)
+        deep_ep_buffer = make_deep_ep_buffer(dist.group.WORLD, hidden) if deep_ep_available() else None
         for tokens in token_counts:
             flops = 18 * tokens * topk * hidden * inter
             for routing in routings.split(","):
@@ -178,6 +189,8 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
                     "ours, nvlink": time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
                     "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
+                    **({"ours, deep_ep": time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer), inputs,
+                                                      p["dy"])} if deep_ep_buffer is not None else {}),
                     "torch compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
                                                  torch.randn_like(rows)),
                 }

@@ -7,7 +7,8 @@ runs on N GPUs with NCCL when there are N, else with gloo on the CPU (fp32); pyt
 processes the same way. Multicast/NVLS stays off (`megamoe_bwd.ep.launch` sets the three
 variables). Implementations checked: the TorchTitan-style all-to-all baseline; ours over
 NVLink (`ep_mega_moe_nvlink`, a symmetric-memory buffer; on the CPU, buffers in shared memory
-and emulated kernels); on GPUs, ours with the all-to-all exchange (`ep_mega_moe_nccl`).
+and emulated kernels); on GPUs, ours with the all-to-all exchange (`ep_mega_moe_nccl`) and,
+when `deep_ep` is importable, ours over DeepEP (`ep_mega_moe_deep_ep`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deep_gemm.moe.symm import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: E402
-from megamoe_bwd.ep import all_to_all_moe, ep_mega_moe_nccl, ep_mega_moe_nvlink, launch  # noqa: E402
+from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
+                           launch, make_deep_ep_buffer)
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 H, I, K, E_LOCAL = 64, 64, 4, 4
@@ -35,16 +37,21 @@ CASES = {
     "a rank with no tokens": (lambda world: [0] + [40] * (world - 1), "skewed", 0.0),
     "a token names one expert twice": (lambda world: [20] * world, "repeat", 0.0),
 }
-_BUFFER: list = []  # this process's SymmBuffer, made once by _run_all
+_BUFFER: list = []  # this process's SymmBuffer (and deep_ep.Buffer), made once by _run_all
 IMPLS = {
     "all_to_all baseline": all_to_all_moe,
     "baseline, fp32 combine": lambda *args: all_to_all_moe(*args, deterministic_combine=True),
     "ours (nvlink)": lambda *args: ep_mega_moe_nvlink(*args, _BUFFER[0]),
     "ours (nccl exchange)": ep_mega_moe_nccl,
 }
+try:  # DeepEP is optional: built from source on the GPU machines for these tests
+    import deep_ep  # noqa: F401
+    IMPLS["ours (deep_ep)"] = lambda *args: ep_mega_moe_deep_ep(*args, _BUFFER[1])
+except ImportError:
+    pass
 # On the CPU, ours runs with emulated kernels, in bf16 (its buffers' dtype).
 CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine", "ours (nvlink)")
-BF16_IMPLS = ("ours (nvlink)", "ours (nccl exchange)")
+BF16_IMPLS = ("ours (nvlink)", "ours (nccl exchange)", "ours (deep_ep)")
 
 
 def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: torch.dtype) -> dict:
@@ -109,6 +116,8 @@ def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list
 def _run_all(rank: int, world: int, verbose: bool, cpu_storages: list) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     _BUFFER.append(_make_buffer(rank, world, device, cpu_storages))
+    if "ours (deep_ep)" in IMPLS and device.type == "cuda":
+        _BUFFER.append(make_deep_ep_buffer(dist.group.WORLD, H))
     for impl_name in (IMPLS if device.type == "cuda" else CPU_IMPLS):
         tol = 2e-2 if impl_name in BF16_IMPLS or device.type == "cuda" else 1e-5
         for case in CASES:
