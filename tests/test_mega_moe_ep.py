@@ -105,6 +105,54 @@ def _check_rank(rank: int, world: int, impl_name: str, case: str, device: torch.
     return errors
 
 
+NUM_LAYERS = 3
+
+
+def _check_stacked_layers(rank: int, world: int, impl_name: str, device: torch.device, tol: float) -> dict:
+    """Three layers back to back through the same buffers, then one backward through all of
+    them, against float64 autograd of the composed reference. On GPUs each rank first idles
+    for a different while before each layer, so that ranks run out of step and any exchange
+    that does not wait for its peers reads stale or half-written rows."""
+    tokens = [24 + 5 * r for r in range(world)]
+    mine = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    experts = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    dtype = torch.bfloat16 if device.type == "cuda" or impl_name in BF16_IMPLS else torch.float32
+    layers = [make_moe_inputs(sum(tokens), H, I, E_LOCAL * world, K, dtype=dtype, seed=500 + i)
+              for i in range(NUM_LAYERS)]
+
+    def leaf(t, sl):
+        return t[sl].detach().clone().to(device).requires_grad_()
+
+    x = leaf(layers[0]["x"], mine)
+    h, params = x, []
+    for i, p in enumerate(layers):
+        w, l1, l2 = leaf(p["topk_weights"], mine), leaf(p["l1"], experts), leaf(p["l2"], experts)
+        if device.type == "cuda":
+            torch.cuda._sleep(200_000 * ((rank + i) % world))  # ~0.1 ms per step of skew
+        h = IMPLS[impl_name](h, p["topk_idx"][mine].to(device), w, l1, l2)
+        params.append((w, l1, l2))
+    h.backward(layers[-1]["dy"][mine].to(device))
+
+    ref_x = layers[0]["x"].double().requires_grad_()
+    ref_h, ref_params = ref_x, []
+    for p in layers:
+        w, l1, l2 = (p[k].double().requires_grad_() for k in ("topk_weights", "l1", "l2"))
+        ref_h = reference_forward(ref_h, p["topk_idx"], w, l1, l2)
+        ref_params.append((w, l1, l2))
+    ref_h.backward(layers[-1]["dy"].double())
+
+    errors = {"y": relative_error(h.detach().cpu(), ref_h.detach()[mine]),
+              "dx": relative_error(x.grad.cpu(), ref_x.grad[mine])}
+    for i, ((w, l1, l2), (rw, rl1, rl2)) in enumerate(zip(params, ref_params)):
+        errors[f"dw{i}"] = relative_error(w.grad.cpu(), rw.grad[mine])
+        errors[f"dl1_{i}"] = relative_error(l1.grad.cpu(), rl1.grad[experts])
+        errors[f"dl2_{i}"] = relative_error(l2.grad.cpu(), rl2.grad[experts])
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    if bad:
+        raise AssertionError(f"rank {rank}, {impl_name}, {NUM_LAYERS} stacked layers: errors over {tol}: {bad}")
+    return errors
+
+
 def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list) -> SymmBuffer:
     if device.type == "cuda":
         return get_symm_buffer_for_mega_moe(None, E_LOCAL * world, MAX_TOKENS, K, H, I)
@@ -124,6 +172,9 @@ def _run_all(rank: int, world: int, verbose: bool, cpu_storages: list) -> None:
             errors = _check_rank(rank, world, impl_name, case, device, tol)
             if verbose and rank == 0:
                 print(f"{impl_name:<22} {case:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+        errors = _check_stacked_layers(rank, world, impl_name, device, 2.5 * tol)
+        if verbose and rank == 0:
+            print(f"{impl_name:<22} {NUM_LAYERS} stacked layers  worst {max(errors.values()):.1e}", flush=True)
 
 
 def _cpu_storages(world: int) -> list:
