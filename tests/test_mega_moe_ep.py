@@ -209,6 +209,15 @@ def test_plan_groups_received_rows_by_expert():
     assert (plan.send_row[idx.flatten() < 0] == -1).all()
 
 
+def test_plan_checks_the_receive_capacity():
+    from deep_gemm.moe.ep import build_ep_plan
+    storage = torch.zeros(SymmBuffer.nbytes(1, E_LOCAL, 8, K, H, max_recv_rows=5), dtype=torch.uint8)
+    buffer = SymmBuffer([storage], 0, None, E_LOCAL, 8, K, H, barrier=lambda: None, max_recv_rows=5)
+    build_ep_plan(torch.tensor([[0, 1, -1, -1], [2, 3, 0, -1]]), buffer)  # 5 rows fit
+    with pytest.raises(ValueError, match="exceeds the buffer's 5 receive rows"):
+        build_ep_plan(torch.tensor([[0, 1, 2, -1], [2, 3, 0, -1]]), buffer)
+
+
 def test_nvlink_path_rejects_what_its_buffer_cannot_hold():
     p = make_moe_inputs(9, H, I, E_LOCAL, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="holds up to 8 tokens"):

@@ -60,6 +60,14 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
     buffer.barrier()
     matrix = buffer.local["counts"].to(torch.int64)  # [src, dst, local expert]
 
+    # Every rank checks every receiver's capacity (all see the same matrix, so all stop).
+    fits = matrix.sum(dim=(0, 2)).le(buffer.max_recv_rows).all()
+    message = f"an expert-parallel exchange exceeds the buffer's {buffer.max_recv_rows} receive rows per rank"
+    if device.type == "cuda":
+        torch._assert_async(fits, message)  # before any row moves: stream order stops the pushes
+    elif not bool(fits):
+        raise ValueError(message)
+
     # Receiver layout: expert-major, then source rank: block (dst, e, src) starts at
     # (rows of dst's experts before e) + (rows that earlier sources send to dst's expert e).
     totals = matrix.sum(0)  # [dst, e]

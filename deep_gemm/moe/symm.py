@@ -31,11 +31,10 @@ class PeerRegion:
     addresses: Optional[torch.Tensor]
 
 
-def _regions(world: int, num_local_experts: int, max_tokens: int, num_topk: int, hidden: int) -> list:
-    """(name, shape, dtype) of every region. Rows a rank can receive: all K slots of every
-    token of the world (a token may name one expert more than once)."""
+def _regions(world: int, num_local_experts: int, max_tokens: int, num_topk: int, hidden: int,
+             max_recv: int) -> list:
+    """(name, shape, dtype) of every region; `max_recv` rows can be received."""
     max_slots = max_tokens * num_topk
-    max_recv = world * max_slots
     return [
         ("x", (max_tokens, hidden), torch.bfloat16),  # for callers that stage their inputs here
         ("topk_idx", (max_tokens, num_topk), torch.int64),
@@ -73,7 +72,8 @@ class SymmBuffer:
     stream-ordered barrier of the group."""
 
     def __init__(self, storages: list, rank: int, group: Optional[dist.ProcessGroup], num_experts: int,
-                 max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None]):
+                 max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None],
+                 max_recv_rows: Optional[int] = None):
         world = len(storages)
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
@@ -81,7 +81,10 @@ class SymmBuffer:
         self.num_experts, self.num_local_experts = num_experts, num_experts // world
         self.max_tokens, self.num_topk, self.hidden = max_tokens, num_topk, hidden
         self.max_slots = max_tokens * num_topk
-        self._regions = _regions(world, self.num_local_experts, max_tokens, num_topk, hidden)
+        # Every slot of every token of the world may land on one rank (a token may even name
+        # one expert twice); a smaller capacity saves memory and is checked at each exchange.
+        self.max_recv_rows = max_recv_rows or world * self.max_slots
+        self._regions = _regions(world, self.num_local_experts, max_tokens, num_topk, hidden, self.max_recv_rows)
         offsets, _ = _layout(self._regions)
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
@@ -91,8 +94,10 @@ class SymmBuffer:
         self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
 
     @staticmethod
-    def nbytes(world: int, num_experts: int, max_tokens: int, num_topk: int, hidden: int) -> int:
-        return _layout(_regions(world, num_experts // world, max_tokens, num_topk, hidden))[1]
+    def nbytes(world: int, num_experts: int, max_tokens: int, num_topk: int, hidden: int,
+               max_recv_rows: Optional[int] = None) -> int:
+        max_recv = max_recv_rows or world * max_tokens * num_topk
+        return _layout(_regions(world, num_experts // world, max_tokens, num_topk, hidden, max_recv))[1]
 
     def _make_region(self, name: str) -> PeerRegion:
         tensors = tuple(peer[name] for peer in self._peers)
@@ -114,7 +119,8 @@ class SymmBuffer:
 
 
 def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts: int, num_max_tokens_per_rank: int,
-                                 num_topk: int, hidden: int, intermediate_hidden: int) -> SymmBuffer:
+                                 num_topk: int, hidden: int, intermediate_hidden: int,
+                                 num_max_recv_rows: Optional[int] = None) -> SymmBuffer:
     """Allocates (collectively: every rank of `group` must call it with the same arguments)
     the symmetric buffer of the built-in NVLink expert-parallel MoE.
 
@@ -125,11 +131,16 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         num_max_tokens_per_rank: the most tokens any rank passes to one layer call.
         num_topk: K, slots per token.
         hidden: H.
-        intermediate_hidden: I (checked against the weights at each call; the buffer itself
-            holds no intermediate activations).
+        intermediate_hidden: I (the buffer itself holds no intermediate activations).
+        num_max_recv_rows: the most (token, slot) rows one rank may receive in one layer call;
+            default ``world * T * K`` (every slot of the world on one rank), always safe. Each
+            layer's activations on the expert side are sized by it too, so with balanced
+            routing a smaller value (e.g. ``2 * T * K``) saves much memory at large world
+            sizes; an exchange that would exceed it fails a device-side assert before any row
+            moves.
 
-    Returns a `SymmBuffer` of about ``(2 * world + 1) * T * K * H * 2`` bytes per rank; reuse it
-    for every layer. Also compiles the exchange kernels now, so that no rank compiles inside a
+    Returns a `SymmBuffer` of about ``(2 * R + T * (K + 1)) * H * 2`` bytes per rank (R = the
+    receive capacity); reuse it for every layer. Also compiles the exchange kernels now, so that no rank compiles inside a
     barrier of the first layer (ranks wait at most DG_EP_BARRIER_TIMEOUT_MS, default 10 min,
     for each other). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
@@ -141,7 +152,7 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = SymmBuffer.nbytes(world, num_experts, num_max_tokens_per_rank, num_topk, hidden)
+    nbytes = SymmBuffer.nbytes(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, num_max_recv_rows)
     storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     handle = symm_mem.rendezvous(storage, group.group_name)
     # The allocation may sit inside a pool segment: peers' copies are at the same offset.
@@ -151,6 +162,7 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset) for r in range(world)]
     precompile_exchange_kernels()
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
-                        barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS))
+                        barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS),
+                        max_recv_rows=num_max_recv_rows)
     buffer.handle = handle  # keeps the mapping alive
     return buffer
