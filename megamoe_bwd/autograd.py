@@ -3,6 +3,7 @@ whole instead of breaking the graph), a functional `mega_moe` and the `MegaMoE` 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -96,12 +97,15 @@ class MegaMoE(torch.nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
-                 group: "torch.distributed.ProcessGroup | None" = None, buffer=None, backend: str | None = None):
+                 group: "torch.distributed.ProcessGroup | None" = None, buffer: Any = None,
+                 backend: str | None = None):
         super().__init__()
         backend = backend or ("nvlink" if buffer is not None else "nccl")
-        if group is not None and backend not in ("nvlink", "deep_ep", "nccl"):
+        if backend not in ("nvlink", "deep_ep", "nccl"):
             raise ValueError(f"unknown backend {backend!r}: pick 'nvlink', 'deep_ep' or 'nccl'")
-        if group is not None and (buffer is None) != (backend == "nccl"):
+        if group is None and (buffer is not None or backend != "nccl"):
+            raise ValueError("a backend or buffer needs the process group the experts are spread over")
+        if (buffer is None) != (backend == "nccl"):
             raise ValueError(f"backend {backend!r} {'takes no' if backend == 'nccl' else 'needs a'} buffer")
         self.group, self.buffer, self.backend = group, buffer, backend
         world = torch.distributed.get_world_size(group) if group is not None else 1

@@ -9,14 +9,13 @@ stream beside the dx GEMM and combine.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Optional, TypeVar
+from typing import Optional
 
 import torch
 
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
 from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
-from deep_gemm.moe.layout import RoutingLayout
 from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
 
 
@@ -31,7 +30,6 @@ def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int]
     return out, True
 
 
-R = TypeVar("R")
 _side_streams: dict = {}
 
 
@@ -41,47 +39,6 @@ def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     if device not in _side_streams:
         _side_streams[device] = torch.cuda.Stream(device=device)
     return _side_streams[device]
-
-
-def expert_mlps_backward(dy_rows: torch.Tensor, dy_index: Optional[torch.Tensor],
-                         x_rows: Callable[[], tuple[torch.Tensor, Optional[torch.Tensor]]], h: torch.Tensor,
-                         layout: RoutingLayout, l1: torch.Tensor, l2: torch.Tensor,
-                         dl1: tuple[torch.Tensor, bool], dl2: tuple[torch.Tensor, bool],
-                         finish: Callable[[torch.Tensor, torch.Tensor], R]) -> R:
-    """The experts' part of the backward on routed rows (layout.num_slots of them).
-
-    Routed row r of dy is ``dy_rows[dy_index[r]]`` (``dy_rows[r]`` without an index); `x_rows()`
-    gives x's routed rows the same way (called on the side stream, so that a copy overlaps the
-    data-gradient GEMM). Writes the weight gradients into ``dl1[0]`` / ``dl2[0]`` (accumulating
-    when ``dl1[1]`` / ``dl2[1]``) on a side stream, and returns ``finish(dxs, row_dw)`` with the
-    rows of dx ``[R, H]`` and each row's routing-weight gradient ``[R]`` fp32; `finish` runs
-    before the side stream is joined.
-    """
-    d_act = dy_rows.new_empty(layout.num_slots, l2.shape[2])
-    m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, layout.offsets, a_row_index=dy_index)  # dy @ l2[e]
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    del d_act
-
-    # The current stream waits for the side stream before returning, so no memory is reused
-    # while the side stream reads it (what the side stream allocates comes from its own pool).
-    device = dy_rows.device
-    side = _side_stream(device)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(side) if side is not None else nullcontext():
-            # dl2[e] = dy_e^T @ (w * act)_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
-            k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2[0], layout.offsets, accumulate=dl2[1],
-                                              a_row_index=dy_index)
-            x_src, x_index = x_rows()
-            k_grouped_bf16_gemm_tn_contiguous(dz, x_src, dl1[0], layout.offsets, accumulate=dl1[1],
-                                              b_row_index=x_index)
-        dxs = dy_rows.new_empty(layout.num_slots, l1.shape[2])
-        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, layout.offsets)  # dz @ l1[e]
-        return finish(dxs, row_dw)
-    finally:  # join even on an error, before the side stream's inputs can be freed
-        if side is not None:
-            torch.cuda.current_stream(device).wait_stream(side)
 
 
 def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
@@ -113,20 +70,37 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
 
     dl1, accumulate_dl1 = _weight_grad_output(dl1, l1_shape, weight_grad_dtype, x.device)
     dl2, accumulate_dl2 = _weight_grad_output(dl2, l2_shape, weight_grad_dtype, x.device)
+    # The current stream waits for the side stream before returning, so no memory is reused
+    # while the side stream reads it (what the side stream allocates comes from its own pool).
+    side = _side_stream(x.device)
+    on_side = torch.cuda.stream(side) if side is not None else nullcontext()
+
     # Routed rows of dy and x: gathered by the GEMMs' loads, or copied first.
     if moe_forward_module.FUSED_GATHER:
-        dy_rows, dy_index = dy, layout.row_token
-        x_rows = lambda: (x, layout.row_token)  # noqa: E731
+        (dy_rows, dy_index), (x_rows, x_index) = (dy, layout.row_token), (x, layout.row_token)
     else:
         dy_rows, dy_index = dy.index_select(0, layout.row_token), None
-        x_rows = lambda: (x.index_select(0, layout.row_token), None)  # noqa: E731
+    d_act = dy.new_empty(layout.num_slots, l2.shape[2])
+    m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
+    del d_act
 
-    def combine(dxs: torch.Tensor, row_dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+    try:
+        with on_side:  # dl2[e] = dy_e^T @ (w * act)_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
+            k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2, offsets, accumulate=accumulate_dl2,
+                                              a_row_index=dy_index)
+            if not moe_forward_module.FUSED_GATHER:
+                x_rows, x_index = x.index_select(0, layout.row_token), None
+            k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
+
+        dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
+        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
         dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
                                     .view_as(layout.slot_row), 0.0)
-        return dx, dtopk_weights
-
-    dx, dtopk_weights = expert_mlps_backward(dy_rows, dy_index, x_rows, h, layout, l1, l2, (dl1, accumulate_dl1),
-                                             (dl2, accumulate_dl2), combine)
+    finally:  # join even on an error, before the side stream's inputs can be freed
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
     return dx, dtopk_weights, dl1, dl2

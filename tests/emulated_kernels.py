@@ -17,7 +17,7 @@ REPLACEMENTS = [
     (moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn),
     (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
     (nvlink_module, "moe_combine_bf16", emulate.moe_combine),
-    (nvlink_module, "ep_push_rows", emulate.ep_push_rows),
+    (nvlink_module, "ep_push_rows_bf16", emulate.ep_push_rows_bf16),
 ]
 
 

@@ -257,6 +257,13 @@ def test_k_grouped_rejects_bad_input(args, error, match):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(*args)
 
 
+def test_k_grouped_gathers_one_operand_at_most():
+    index = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one operand"):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(4, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
+                                                    a_row_index=index, b_row_index=index)
+
+
 def test_num_sms_cap():
     with pytest.raises(ValueError):
         deep_gemm.set_num_sms(0)

@@ -68,7 +68,7 @@ def test_emulations_take_the_kernels_arguments():
     import inspect
     import deep_gemm.moe.glue as glue
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
-             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd),
+             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows_bf16),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
@@ -123,6 +123,16 @@ def test_forward_rejects_bad_input(mutate, error, match):
     mutate(args)
     with pytest.raises(error, match=match):
         deep_gemm.bf16_mega_moe(*args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(backend="nvlnk"), "unknown backend"),
+    (dict(backend="deep_ep"), "needs the process group"),
+    (dict(buffer=object()), "needs the process group"),
+])
+def test_module_rejects_an_impossible_exchange(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MegaMoE(num_experts=8, hidden=64, intermediate=64, **kwargs)
 
 
 def test_dims_must_be_multiples_of_64():

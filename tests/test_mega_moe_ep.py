@@ -179,7 +179,7 @@ def _run_all(rank: int, world: int, verbose: bool, cpu_storages: list) -> None:
 
 def _cpu_storages(world: int) -> list:
     """Shared-memory stand-ins for the symmetric buffers of `world` CPU ranks."""
-    nbytes = SymmBuffer.nbytes(world, E_LOCAL * world, MAX_TOKENS, K, H)
+    nbytes = SymmBuffer.nbytes(world, MAX_TOKENS, K, H)
     return [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world)]
 
 
@@ -193,29 +193,26 @@ def test_ep_two_processes():
 
 
 def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
-    storage = torch.zeros(SymmBuffer.nbytes(1, E_LOCAL, max_tokens, K, H), dtype=torch.uint8)
+    storage = torch.zeros(SymmBuffer.nbytes(1, max_tokens, K, H), dtype=torch.uint8)
     return SymmBuffer([storage], 0, None, E_LOCAL, max_tokens, K, H, barrier=lambda: None)
 
 
-def test_plan_groups_received_rows_by_expert():
+def test_plan_sends_each_token_once_per_rank():
     from deep_gemm.moe.ep import build_ep_plan
-    idx = torch.tensor([[2, 0, -1, 3], [0, 1, 2, 3], [3, -1, -1, 0]])
+    idx = torch.tensor([[2, 0, -1, 3], [-1, -1, -1, -1], [3, 3, -1, 0]])
     plan = build_ep_plan(idx, _one_rank_buffer())
-    sent = plan.send_row[plan.send_row >= 0]
-    assert sorted(sent.tolist()) == list(range(sent.numel())), "received rows must be dense"
-    experts_in_row_order = idx.flatten()[plan.send_row.argsort()][-sent.numel():]
-    assert experts_in_row_order.tolist() == sorted(experts_in_row_order.tolist())
-    assert plan.recv_offsets.tolist() == [0, 3, 4, 6, 9]
-    assert (plan.send_row[idx.flatten() < 0] == -1).all()
+    assert plan.dst_row.tolist() == [0, -1, 1], "tokens with an expert here, in order; the empty one stays"
+    assert plan.num_recv.tolist() == [2]
+    assert plan.pairs.slot_valid.flatten().tolist() == [True, False, True]
 
 
 def test_plan_checks_the_receive_capacity():
     from deep_gemm.moe.ep import build_ep_plan
-    storage = torch.zeros(SymmBuffer.nbytes(1, E_LOCAL, 8, K, H, max_recv_rows=5), dtype=torch.uint8)
-    buffer = SymmBuffer([storage], 0, None, E_LOCAL, 8, K, H, barrier=lambda: None, max_recv_rows=5)
-    build_ep_plan(torch.tensor([[0, 1, -1, -1], [2, 3, 0, -1]]), buffer)  # 5 rows fit
-    with pytest.raises(ValueError, match="exceeds the buffer's 5 receive rows"):
-        build_ep_plan(torch.tensor([[0, 1, 2, -1], [2, 3, 0, -1]]), buffer)
+    storage = torch.zeros(SymmBuffer.nbytes(1, 8, K, H, max_recv_tokens=2), dtype=torch.uint8)
+    buffer = SymmBuffer([storage], 0, None, E_LOCAL, 8, K, H, barrier=lambda: None, max_recv_tokens=2)
+    build_ep_plan(torch.tensor([[0, 1, -1, -1], [2, 3, 0, -1], [-1, -1, -1, -1]]), buffer)  # 2 tokens fit
+    with pytest.raises(ValueError, match="exceeds the buffer's 2 receive tokens"):
+        build_ep_plan(torch.tensor([[0, 1, 2, -1], [2, 3, 0, -1], [1, -1, -1, -1]]), buffer)
 
 
 def test_nvlink_path_rejects_what_its_buffer_cannot_hold():

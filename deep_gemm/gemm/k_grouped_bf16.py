@@ -66,7 +66,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         a_row_index: optional int64 ``[R]``: row r of A is ``a[a_row_index[r]]``, gathered by the
             kernel's loads (no permuted copy of `a`); `a` is then ``[T, M]`` for any T.
             Indices outside ``[0, T)`` read zeros.
-        b_row_index: optional int64 ``[R]``, the same for B (`b` is then ``[T', N]``).
+        b_row_index: optional int64 ``[R]``, the same for B (`b` is then ``[T', N]``); at most
+            one of the two.
         config: force a kernel variant (one of
             `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default picks by N.
 
@@ -92,8 +93,10 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         raise ValueError(f"d must have shape {(num_groups, m, n)}, got {tuple(d.shape)}")
     check_multiple("M", m, 8)
     check_multiple("N", n, 8)
-    if max(rows, m, n) >= 2**31:
+    if max(rows, m, n, a.shape[0], b.shape[0]) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
+    if a_row_index is not None and b_row_index is not None:
+        raise ValueError("gather the rows of one operand, not both (copy the other first)")
     if config is not None and config not in all_configs(d.dtype):
         raise ValueError(f"unknown config {config} for {d.dtype} output; pick one of all_configs()")
     index = {name: t for name, t in (("a_row_index", a_row_index), ("b_row_index", b_row_index)) if t is not None}

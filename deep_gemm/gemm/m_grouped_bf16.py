@@ -130,7 +130,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             sizes are arbitrary (zero, not multiples of any tile). Read on the GPU: no host sync.
         a_row_index: optional int64 ``[M]``: row i of A is ``a[a_row_index[i]]``, gathered by the
             kernel's loads (no permuted copy of `a`); `a` is then ``[T, K]`` for any T and `d`
-            has M rows. Indices must lie in ``[0, 2**31)``; those outside ``[0, T)`` read zeros.
+            has M rows. Indices outside ``[0, T)`` read zeros.
         config: force a kernel variant (one of `deep_gemm.gemm.m_grouped_bf16.all_configs()`);
             the default picks by N.
 

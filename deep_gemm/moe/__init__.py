@@ -1,2 +1,2 @@
 from .forward import MegaMoEHandle, bf16_mega_moe
-from .layout import RoutingLayout, build_routing_layout, sorted_rows_layout
+from .layout import RoutingLayout, build_routing_layout

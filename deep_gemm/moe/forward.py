@@ -83,30 +83,21 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, sync: bool) -> No
         torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {num_experts})")
 
 
-def expert_mlps_forward(a: torch.Tensor, a_row_index: Optional[torch.Tensor], layout: RoutingLayout,
-                        l1: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts' SwiGLU MLPs on routed rows: returns ``(h [R, 2I], out [R, H])`` with R =
-    ``layout.num_slots`` (rows outside every expert's group are left unwritten). Routed row r
-    is ``a[a_row_index[r]]``, or ``a[r]`` without an index."""
-    num_slots, hidden, two_inter = layout.num_slots, l2.shape[1], l1.shape[1]
-    h = a.new_empty(num_slots, two_inter)
-    if FUSED_SWIGLU and two_inter % 256 == 0:
-        act = a.new_empty(num_slots, two_inter // 2)
-        m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=a_row_index)
-    else:
-        m_grouped_bf16_gemm_nt_contiguous(a, l1, h, layout.offsets, a_row_index=a_row_index)
-        act = moe_swiglu_fwd_bf16(h, layout)
-    out = a.new_empty(num_slots, hidden)
-    m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
-    return h, out
-
-
 def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
                 l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
+    num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
+    h = x.new_empty(num_slots, two_inter)
     a, index = (x, layout.row_token) if FUSED_GATHER else (x.index_select(0, layout.row_token), None)
-    h, out = expert_mlps_forward(a, index, layout, l1, l2)
+    if FUSED_SWIGLU and two_inter % 256 == 0:
+        act = x.new_empty(num_slots, two_inter // 2)
+        m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)
+    else:
+        m_grouped_bf16_gemm_nt_contiguous(a, l1, h, layout.offsets, a_row_index=index)
+        act = moe_swiglu_fwd_bf16(h, layout)
+    out = x.new_empty(num_slots, hidden)
+    m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
     moe_combine_bf16(out, layout, topk_weights, y)
     return h
 

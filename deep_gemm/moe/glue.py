@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..jit.runtime import build_kernel, pack_params
-from ..utils import get_num_sms
+from ..utils import check_cuda_devices, get_num_sms
 from .layout import RoutingLayout
 from .symm import PeerRegion
 
@@ -112,33 +112,44 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     return dz, act_weighted, row_dw
 
 
-def ep_push_rows(src: torch.Tensor, src_row: Optional[torch.Tensor], dst_rank: torch.Tensor, dst_row: torch.Tensor,
+def ep_push_rows_bf16(src: torch.Tensor, src_row: Optional[torch.Tensor], dst_rank: torch.Tensor, dst_row: torch.Tensor,
                  dst_rows: PeerRegion, *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
                  i32: Optional[torch.Tensor] = None, dst_i32: Optional[PeerRegion] = None,
                  num_valid: Optional[torch.Tensor] = None) -> None:
-    """Writes ``src[src_row[i]]`` (``src[i]`` if `src_row` is None) as row ``dst_row[i]`` of rank
-    ``dst_rank[i]``'s destination region, for i < n = ``dst_row.numel()`` (and i < ``num_valid[0]``
-    when given, read on the GPU); rows with ``dst_row[i] < 0`` are skipped.
+    """For each entry i < n = ``dst_row.numel()`` (and i < ``num_valid[0]`` when given, read
+    on the GPU): writes row r = ``src_row[i]`` (i if `src_row` is None) of `src` as row
+    ``dst_row[i]`` of rank ``dst_rank[i]``'s region `dst_rows`, and row r of `f32` / `i32`
+    (when given) as row ``dst_row[i]`` of `dst_f32` / `dst_i32`. Entries with
+    ``dst_row[i] < 0`` are skipped.
 
-    src ``[*, H]`` bf16 (H % 8 == 0); src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``;
-    dst_rows / dst_f32 / dst_i32: a region of every rank's symmetric buffer (`SymmBuffer.region`);
-    `f32` (float32 ``[n]``) and `i32` (int32 ``[n]``) are written alongside into `dst_f32` /
-    `dst_i32`, indexed by dst_row. Stream-ordered; the caller barriers before peers read.
+    src ``[*, H]`` bf16 (H % 8 == 0); f32 ``[*, C]`` float32 and i32 ``[*, C']`` int32, indexed
+    like src; src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``; the destinations are
+    regions of every rank's symmetric buffer (`SymmBuffer.region`) with rows of H, C, C'
+    elements. Stream-ordered; the caller barriers before peers read.
     """
     _check_bf16(src=src)
     n, hidden = dst_row.numel(), src.shape[1]
     if hidden % 8:
         raise ValueError(f"H = {hidden} must be a multiple of 8")
     for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
-                           ("src_row", src_row, torch.int64), ("f32", f32, torch.float32), ("i32", i32, torch.int32)):
+                           ("src_row", src_row, torch.int64)):
         if t is not None and (t.dtype != dtype or t.numel() != n or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of {n} elements")
+    for name, t, dtype in (("f32", f32, torch.float32), ("i32", i32, torch.int32)):
+        if t is not None and (t.dtype != dtype or t.dim() != 2 or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous 2-D {dtype} tensor")
     if (f32 is None) != (dst_f32 is None) or (i32 is None) != (dst_i32 is None):
-        raise ValueError("each payload needs its destination addresses")
+        raise ValueError("each payload needs its destination region")
+    if num_valid is not None and (num_valid.dtype != torch.int32 or num_valid.numel() != 1):
+        raise ValueError("num_valid must be one int32 value")
+    check_cuda_devices(**{name: t for name, t in (("src", src), ("src_row", src_row), ("dst_rank", dst_rank),
+                                                 ("dst_row", dst_row), ("f32", f32), ("i32", i32),
+                                                 ("num_valid", num_valid)) if t is not None})
     if n == 0:
         return
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     region = lambda r: 0 if r is None else r.addresses.data_ptr()  # noqa: E731
+    cols = lambda t: 0 if t is None else t.shape[1]  # noqa: E731
     _launch("ep_push_rows", [src.data_ptr(), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
                              ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
-            [n, hidden], src.device.index)
+            [n, hidden, cols(f32), cols(i32)], src.device.index)

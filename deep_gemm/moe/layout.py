@@ -50,14 +50,3 @@ def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
     slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return RoutingLayout(offsets=offsets, row_token=order // num_topk, row_weight=row_weight,
                          slot_row=slot_row.view(num_tokens, num_topk), slot_valid=valid)
-
-
-def sorted_rows_layout(offsets: torch.Tensor, row_weight: torch.Tensor) -> RoutingLayout:
-    """The layout of rows that arrive already grouped by expert (expert parallelism's received
-    rows): routed row r is row r, expert e owns rows ``[offsets[e], offsets[e + 1])`` and row
-    r carries routing weight ``row_weight[r]``. Token-side fields (slot_row, slot_valid) stay
-    with the ranks that own the tokens and are empty here."""
-    rows = row_weight.numel()
-    empty = torch.empty(0, 0, dtype=torch.int64, device=offsets.device)
-    return RoutingLayout(offsets=offsets, row_token=torch.arange(rows, device=offsets.device), row_weight=row_weight,
-                         slot_row=empty, slot_valid=empty.bool())

@@ -31,21 +31,18 @@ class PeerRegion:
     addresses: Optional[torch.Tensor]
 
 
-def _regions(world: int, num_local_experts: int, max_tokens: int, num_topk: int, hidden: int,
-             max_recv: int) -> list:
-    """(name, shape, dtype) of every region; `max_recv` rows can be received."""
-    max_slots = max_tokens * num_topk
+def _regions(world: int, max_tokens: int, num_topk: int, hidden: int, max_recv: int) -> list:
+    """(name, shape, dtype) of every region; up to `max_recv` tokens can be received."""
     return [
         ("x", (max_tokens, hidden), torch.bfloat16),  # for callers that stage their inputs here
         ("topk_idx", (max_tokens, num_topk), torch.int64),
         ("topk_weights", (max_tokens, num_topk), torch.float32),
-        ("counts", (world, world, num_local_experts), torch.int32),  # [src, dst, local expert]
-        ("recv_rows", (max_recv, hidden), torch.bfloat16),  # rows received, grouped by local expert
-        ("recv_rows2", (max_recv, hidden), torch.bfloat16),  # x's rows again in the backward
-        ("recv_weight", (max_recv,), torch.float32),  # their routing weights
-        ("recv_src", (max_recv,), torch.int32),  # their origin: src_rank * max_slots + slot
-        ("back_rows", (max_slots, hidden), torch.bfloat16),  # expert outputs of this rank's slots
-        ("back_dw", (max_slots,), torch.float32),  # routing-weight gradients of this rank's slots
+        ("counts", (world, world), torch.int32),  # [src, dst]: tokens src sends to dst
+        ("recv_x", (max_recv, hidden), torch.bfloat16),  # tokens received (x, then dy), by source rank
+        ("recv_meta", (max_recv, num_topk + 1), torch.int32),  # their global expert ids, then origin
+        ("recv_weights", (max_recv, num_topk), torch.float32),  # their routing weights
+        ("back", (max_tokens * world, hidden), torch.bfloat16),  # results per (own token, expert rank)
+        ("back_dw", (max_tokens * world, num_topk), torch.float32),  # routing-weight gradients, likewise
     ]
 
 
@@ -73,18 +70,17 @@ class SymmBuffer:
 
     def __init__(self, storages: list, rank: int, group: Optional[dist.ProcessGroup], num_experts: int,
                  max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None],
-                 max_recv_rows: Optional[int] = None):
+                 max_recv_tokens: Optional[int] = None):
         world = len(storages)
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
         self.rank, self.world, self.group = rank, world, group
         self.num_experts, self.num_local_experts = num_experts, num_experts // world
         self.max_tokens, self.num_topk, self.hidden = max_tokens, num_topk, hidden
-        self.max_slots = max_tokens * num_topk
-        # Every slot of every token of the world may land on one rank (a token may even name
-        # one expert twice); a smaller capacity saves memory and is checked at each exchange.
-        self.max_recv_rows = max_recv_rows or world * self.max_slots
-        self._regions = _regions(world, self.num_local_experts, max_tokens, num_topk, hidden, self.max_recv_rows)
+        # Every token of the world may go to one rank; a smaller capacity saves memory (here
+        # and in each layer's expert-side activations) and is checked at each exchange.
+        self.max_recv_tokens = max_recv_tokens or world * max_tokens
+        self._regions = _regions(world, max_tokens, num_topk, hidden, self.max_recv_tokens)
         offsets, _ = _layout(self._regions)
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
@@ -94,10 +90,8 @@ class SymmBuffer:
         self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
 
     @staticmethod
-    def nbytes(world: int, num_experts: int, max_tokens: int, num_topk: int, hidden: int,
-               max_recv_rows: Optional[int] = None) -> int:
-        max_recv = max_recv_rows or world * max_tokens * num_topk
-        return _layout(_regions(world, num_experts // world, max_tokens, num_topk, hidden, max_recv))[1]
+    def nbytes(world: int, max_tokens: int, num_topk: int, hidden: int, max_recv_tokens: Optional[int] = None) -> int:
+        return _layout(_regions(world, max_tokens, num_topk, hidden, max_recv_tokens or world * max_tokens))[1]
 
     def _make_region(self, name: str) -> PeerRegion:
         tensors = tuple(peer[name] for peer in self._peers)
@@ -120,7 +114,7 @@ class SymmBuffer:
 
 def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts: int, num_max_tokens_per_rank: int,
                                  num_topk: int, hidden: int, intermediate_hidden: int,
-                                 num_max_recv_rows: Optional[int] = None) -> SymmBuffer:
+                                 num_max_recv_tokens: Optional[int] = None) -> SymmBuffer:
     """Allocates (collectively: every rank of `group` must call it with the same arguments)
     the symmetric buffer of the built-in NVLink expert-parallel MoE.
 
@@ -132,19 +126,21 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         num_topk: K, slots per token.
         hidden: H.
         intermediate_hidden: I (the buffer itself holds no intermediate activations).
-        num_max_recv_rows: the most (token, slot) rows one rank may receive in one layer call;
-            default ``world * T * K`` (every slot of the world on one rank), always safe. Each
-            layer's activations on the expert side are sized by it too, so with balanced
-            routing a smaller value (e.g. ``2 * T * K``) saves much memory at large world
-            sizes; an exchange that would exceed it fails a device-side assert before any row
-            moves.
+        num_max_recv_tokens: the most tokens one rank may receive in one layer call (a token
+            goes once to each rank holding one of its experts); default ``world * T``, always
+            safe. Each layer's expert-side activations are sized by it too, so with balanced
+            routing a smaller value saves memory at large world sizes; an exchange that would
+            exceed it fails a device-side assert before any token moves.
 
-    Returns a `SymmBuffer` of about ``(2 * R + T * (K + 1)) * H * 2`` bytes per rank (R = the
-    receive capacity); reuse it for every layer. Also compiles the exchange kernels now, so that no rank compiles inside a
-    barrier of the first layer (ranks wait at most DG_EP_BARRIER_TIMEOUT_MS, default 10 min,
-    for each other). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
+    Returns a `SymmBuffer` of about ``(R + world * T) * H * 2`` bytes per rank (R = the receive
+    capacity in tokens); reuse it for every layer. Also compiles the exchange kernels now, so
+    that no rank compiles inside a barrier of the first layer (ranks wait at most
+    DG_EP_BARRIER_TIMEOUT_MS, default 10 min, for each other). NVLink multicast stays off
+    (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
     del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged
+    if num_max_recv_tokens is not None and num_max_recv_tokens <= 0:
+        raise ValueError(f"num_max_recv_tokens must be positive, got {num_max_recv_tokens}")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (DESIGN.md)
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -152,7 +148,7 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = SymmBuffer.nbytes(world, num_experts, num_max_tokens_per_rank, num_topk, hidden, num_max_recv_rows)
+    nbytes = SymmBuffer.nbytes(world, num_max_tokens_per_rank, num_topk, hidden, num_max_recv_tokens)
     storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     handle = symm_mem.rendezvous(storage, group.group_name)
     # The allocation may sit inside a pool segment: peers' copies are at the same offset.
@@ -163,6 +159,6 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     precompile_exchange_kernels()
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                         barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS),
-                        max_recv_rows=num_max_recv_rows)
+                        max_recv_tokens=num_max_recv_tokens)
     buffer.handle = handle  # keeps the mapping alive
     return buffer

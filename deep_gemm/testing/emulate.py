@@ -85,15 +85,15 @@ def moe_swiglu_bwd(h, d_act, layout):
     return dz, act_weighted, row_dw
 
 
-def ep_push_rows(src, src_row, dst_rank, dst_row, dst_rows, *, f32=None, dst_f32=None, i32=None, dst_i32=None,
+def ep_push_rows_bf16(src, src_row, dst_rank, dst_row, dst_rows, *, f32=None, dst_f32=None, i32=None, dst_i32=None,
                  num_valid=None):
-    """Emulates `deep_gemm.moe.glue.ep_push_rows`, writing into the regions' tensors."""
+    """Emulates `deep_gemm.moe.glue.ep_push_rows_bf16`, writing into the regions' tensors."""
     n = dst_row.numel() if num_valid is None else min(dst_row.numel(), int(num_valid[0]))
     index = torch.arange(n, device=dst_row.device)
     for rank, rows in enumerate(dst_rows.tensors):
         i = index[(dst_row[:n] >= 0) & (dst_rank[:n] == rank)]
-        at = dst_row.index_select(0, i)
-        rows.index_copy_(0, at, src.index_select(0, i if src_row is None else src_row.index_select(0, i)).to(rows.dtype))
-        for values, region in ((f32, dst_f32), (i32, dst_i32)):
+        at, source = dst_row.index_select(0, i), (i if src_row is None else src_row.index_select(0, i))
+        for values, region in ((src, dst_rows), (f32, dst_f32), (i32, dst_i32)):
             if values is not None:
-                region.tensors[rank].index_copy_(0, at, values.index_select(0, i).to(region.tensors[rank].dtype))
+                target = region.tensors[rank]
+                target.index_copy_(0, at, values.index_select(0, source).to(target.dtype))

@@ -1,86 +1,86 @@
-"""Our expert-parallel MoE over NVLink, version 1: tokens pushed straight into the expert
-owners' symmetric buffers by our kernel (`deep_gemm.moe.glue.ep_push_rows`), our fused
-expert MLPs on the rows as they land (already grouped by expert), expert outputs pushed back
-into the token owners' buffers, and the K slots combined there. No NCCL, no host
-synchronisation. Not yet overlapped: each exchange completes (a barrier) before the GEMMs
+"""Our expert-parallel MoE over NVLink, version 1: each token pushed once into the buffer of
+every rank holding one of its experts, by our kernel (`deep_gemm.moe.glue.ep_push_rows_bf16`)
+through the peers' symmetric-memory addresses; our single-GPU layer on each rank's received
+tokens (with their top-k ids made local, -1 for experts elsewhere); each rank's partial
+outputs pushed back into the token owners' buffers and summed there. No NCCL, no host
+synchronisation. Not yet overlapped: each exchange completes (a barrier) before the kernels
 that read it start.
 
-Forward:  plan (counts all-gathered) -> push x rows (+ routing weight, origin) -> barrier ->
-          GEMM1 + SwiGLU, GEMM2 -> push output rows back -> barrier -> weighted combine.
-Backward: push dy rows and x rows -> barrier -> the single-GPU expert backward (weight
-          gradients on a side stream) -> push dx rows and routing-weight gradients back ->
-          barrier -> combine. Weight gradients stay with the expert's rank, dx and
-          dtopk_weights return to the token's rank.
+Forward:  plan (counts all-gathered) -> push x (+ top-k ids, weights, origin) -> barrier ->
+          the single-GPU forward -> push partial outputs back -> barrier -> sum over ranks.
+Backward: push dy -> barrier -> the single-GPU backward (weight gradients on a side stream)
+          -> push dx partials and routing-weight gradients back -> barrier -> sum over ranks.
+Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's.
 """
 from __future__ import annotations
 
 import torch
 
 from deep_gemm.moe.ep import build_ep_plan
-from deep_gemm.moe.forward import check_moe_inputs, expert_mlps_forward
-from deep_gemm.moe.glue import ep_push_rows, moe_combine_bf16
-from deep_gemm.moe.layout import RoutingLayout, sorted_rows_layout
+from deep_gemm.moe.forward import MegaMoEHandle, check_moe_inputs, moe_forward
+from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16
+from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
 from deep_gemm.moe.symm import SymmBuffer
 
-from ..backward import expert_mlps_backward
-
-
-def _origin(buffer: SymmBuffer, recv_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank, slot) each received row came from."""
-    return (recv_src // buffer.max_slots).to(torch.int32), (recv_src % buffer.max_slots).to(torch.int64)
+from ..backward import mega_moe_backward
 
 
 class _NvlinkMegaMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer: SymmBuffer):
-        num_tokens, num_topk = topk_idx.shape
-        num_slots = num_tokens * num_topk
+        (num_tokens, hidden), num_topk = x.shape, topk_idx.shape[1]
+        me, world, num_local = buffer.rank, buffer.world, buffer.num_local_experts
         plan = build_ep_plan(topk_idx, buffer)
-        origin = (buffer.rank * buffer.max_slots + torch.arange(num_slots, device=x.device)).to(torch.int32)
-        ep_push_rows(x, plan.token, plan.send_rank, plan.send_row, buffer.region("recv_rows"),
-                     f32=topk_weights.reshape(-1).to(torch.float32).contiguous(), dst_f32=buffer.region("recv_weight"),
-                     i32=origin, dst_i32=buffer.region("recv_src"))
+        origin = me * buffer.max_tokens + torch.arange(num_tokens, device=x.device)
+        meta = torch.cat([topk_idx, origin.unsqueeze(1)], 1).to(torch.int32)
+        ep_push_rows_bf16(x, plan.token, plan.dst_rank, plan.dst_row, buffer.region("recv_x"),
+                     f32=topk_weights.to(torch.float32).contiguous(), dst_f32=buffer.region("recv_weights"),
+                     i32=meta, dst_i32=buffer.region("recv_meta"))
         buffer.barrier()
-        # Copies: the next layer's exchange overwrites the buffer before this backward runs.
-        recv_weight, recv_src = buffer.local["recv_weight"].clone(), buffer.local["recv_src"].clone()
-        back_rank, back_row = _origin(buffer, recv_src)
-        h, out = expert_mlps_forward(buffer.local["recv_rows"], None, sorted_rows_layout(plan.recv_offsets, recv_weight),
-                                     l1, l2)
-        ep_push_rows(out, None, back_rank, back_row, buffer.region("back_rows"), num_valid=plan.recv_offsets[-1:])
+
+        # Received tokens with their experts made local (-1: elsewhere, or no token in that row).
+        recv_meta = buffer.local["recv_meta"].to(torch.int64)  # a copy: the buffer is reused
+        arrived = torch.arange(recv_meta.shape[0], device=x.device) < plan.num_recv
+        expert = recv_meta[:, :num_topk] - me * num_local
+        local_idx = torch.where(arrived.unsqueeze(1) & (expert >= 0) & (expert < num_local), expert, -1)
+        local_weights = torch.where(local_idx >= 0, buffer.local["recv_weights"], 0.0)
+        back_rank = (recv_meta[:, num_topk] // buffer.max_tokens).to(torch.int32)
+        back_row = recv_meta[:, num_topk] % buffer.max_tokens * world + me
+        recv_x = buffer.local["recv_x"].clone()  # kept for the weight gradient of l1
+        layout = build_routing_layout(local_idx, local_weights, num_local)
+        partial = recv_x.new_empty(recv_x.shape)
+        h = moe_forward(recv_x, layout, local_weights, l1, l2, partial)
+
+        ep_push_rows_bf16(partial, None, back_rank, back_row, buffer.region("back"), num_valid=plan.num_recv)
         buffer.barrier()
-        y = moe_combine_bf16(buffer.local["back_rows"][:num_slots], plan.slots, topk_weights,
-                             x.new_empty(num_tokens, x.shape[1]))
+        y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(num_tokens, hidden))
         ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
-        ctx.save_for_backward(x, l1, l2, h, recv_weight, back_rank, back_row, plan.send_rank, plan.send_row,
-                              plan.token, plan.slots.slot_row, plan.slots.slot_valid, plan.recv_offsets)
+        ctx.save_for_backward(l1, l2, recv_x, h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row,
+                              layout.slot_valid, back_rank, back_row, plan.token, plan.dst_rank, plan.dst_row,
+                              plan.pairs.slot_row, plan.pairs.slot_valid, plan.num_recv)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, l1, l2, h, recv_weight, back_rank, back_row, send_rank, send_row, token, slot_row, slot_valid,
-         recv_offsets) = ctx.saved_tensors
+        (l1, l2, recv_x, h, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row, token, dst_rank,
+         dst_row, pair_row, pair_valid, num_recv) = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
-        dy = dy.contiguous()
+        (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
         buffer.barrier()  # every rank is done with the buffer's previous contents
-        ep_push_rows(dy, token, send_rank, send_row, buffer.region("recv_rows"))
-        ep_push_rows(x, token, send_rank, send_row, buffer.region("recv_rows2"))
+        ep_push_rows_bf16(dy.contiguous(), token, dst_rank, dst_row, buffer.region("recv_x"))
         buffer.barrier()
-        slots = RoutingLayout(offsets=recv_offsets, row_token=token, row_weight=recv_weight.new_empty(0),
-                              slot_row=slot_row, slot_valid=slot_valid)
-        num_slots = token.numel()
 
-        def push_back_and_combine(dxs: torch.Tensor, row_dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            ep_push_rows(dxs, None, back_rank, back_row, buffer.region("back_rows"), f32=row_dw,
-                         dst_f32=buffer.region("back_dw"), num_valid=recv_offsets[-1:])
-            buffer.barrier()
-            dx = moe_combine_bf16(buffer.local["back_rows"][:num_slots], slots, None, torch.empty_like(dy))
-            dtopk_weights = torch.where(slot_valid, buffer.local["back_dw"][:num_slots].view_as(slot_valid), 0.0)
-            return dx, dtopk_weights
-
-        dl1, dl2 = torch.empty_like(l1), torch.empty_like(l2)
-        dx, dtopk_weights = expert_mlps_backward(
-            buffer.local["recv_rows"], None, lambda: (buffer.local["recv_rows2"], None), h,
-            sorted_rows_layout(recv_offsets, recv_weight), l1, l2, (dl1, False), (dl2, False), push_back_and_combine)
+        handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
+        d_recv_x, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
+                                                               weight_grad_dtype=l1.dtype)
+        ep_push_rows_bf16(d_recv_x, None, back_rank, back_row, buffer.region("back"), f32=d_recv_weights,
+                     dst_f32=buffer.region("back_dw"), num_valid=num_recv)
+        buffer.barrier()
+        pairs = RoutingLayout(offsets, token, row_weight.new_empty(0), pair_row, pair_valid)
+        dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, torch.empty_like(dy))
+        # Each slot's gradient comes from the rank holding its expert; the others sent zeros.
+        partial_dw = buffer.local["back_dw"][:num_tokens * world].view(num_tokens, world, num_topk)
+        dtopk_weights = torch.where(pair_valid.unsqueeze(2), partial_dw, 0.0).sum(1)
         return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
 
 
@@ -106,7 +106,7 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     if num_local != buffer.num_local_experts:
         raise ValueError(f"l1 holds {num_local} experts; the buffer splits {buffer.num_experts} experts over "
                          f"{buffer.world} ranks ({buffer.num_local_experts} each)")
-    ok = ((topk_idx >= -1) & (topk_idx < buffer.num_experts)).all()
     if x.is_cuda:
+        ok = ((topk_idx >= -1) & (topk_idx < buffer.num_experts)).all()
         torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {buffer.num_experts})")
     return _NvlinkMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer)

@@ -1,9 +1,11 @@
 #pragma once
 // Expert-parallel token exchange over NVLink: rows pushed into other ranks' symmetric buffers
-// through their peer addresses (the built-in path's dispatch and combine).
-//   dst_rows[dst_rank[i]][dst_row[i]] = src[src_row[i]]   (H bf16; src_row = i when null)
-// with an optional fp32 and int32 value per row written alongside. Rows with dst_row < 0, or
-// i >= *num_valid when given, are skipped. One warp per row, 16-byte accesses.
+// through their peer addresses (the built-in path's dispatch and combine). For each i < n:
+//   r = src_row[i] (i when null); dst_rows[dst_rank[i]][dst_row[i]] = src[r]   (H bf16)
+// and, when given, `f32_cols` fp32 and `i32_cols` int32 values of row r of `f32` / `i32`
+// written alongside at row dst_row[i] of the ranks' `dst_f32` / `dst_i32` regions. Entries
+// with dst_row < 0, or i >= *num_valid when given, are skipped. One warp per entry,
+// 16-byte accesses for the row.
 #include <cstdint>
 #include <cuda_bf16.h>
 
@@ -15,12 +17,12 @@ struct EpPushRowsParams {
     const int32_t* dst_rank;      // [n]
     const int64_t* dst_row;       // [n]: row in the destination region, < 0: not sent
     const uint64_t* dst_rows;     // [world]: address of each rank's destination row region
-    const float* f32;             // [n], or null
-    const uint64_t* dst_f32;      // [world]: each rank's fp32 region, indexed by dst_row
-    const int32_t* i32;           // [n], or null
-    const uint64_t* dst_i32;      // [world]: each rank's int32 region, indexed by dst_row
-    const int* num_valid;         // on the GPU, or null: rows i >= *num_valid are skipped
-    uint32_t n, hidden;
+    const float* f32;             // [*, f32_cols], or null
+    const uint64_t* dst_f32;      // [world]: each rank's fp32 region ([*, f32_cols])
+    const int32_t* i32;           // [*, i32_cols], or null
+    const uint64_t* dst_i32;      // [world]: each rank's int32 region ([*, i32_cols])
+    const int* num_valid;         // on the GPU, or null: entries i >= *num_valid are skipped
+    uint32_t n, hidden, f32_cols, i32_cols;
 };
 
 template <uint32_t kNumThreads>
@@ -38,10 +40,14 @@ __device__ __forceinline__ void ep_push_rows_impl(const EpPushRowsParams& p) {
         auto* to = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.dst_rows[rank]) + row * p.hidden);
         for (uint32_t v = lane; v < num_vecs; v += 32)
             to[v] = __ldg(from + v);
-        if (lane == 0 and p.f32 != nullptr)
-            reinterpret_cast<float*>(p.dst_f32[rank])[row] = p.f32[i];
-        if (lane == 0 and p.i32 != nullptr)
-            reinterpret_cast<int32_t*>(p.dst_i32[rank])[row] = p.i32[i];
+        if (p.f32 != nullptr) {
+            for (uint32_t c = lane; c < p.f32_cols; c += 32)
+                reinterpret_cast<float*>(p.dst_f32[rank])[row * p.f32_cols + c] = p.f32[src_row * p.f32_cols + c];
+        }
+        if (p.i32 != nullptr) {
+            for (uint32_t c = lane; c < p.i32_cols; c += 32)
+                reinterpret_cast<int32_t*>(p.dst_i32[rank])[row * p.i32_cols + c] = p.i32[src_row * p.i32_cols + c];
+        }
     }
 }
 
