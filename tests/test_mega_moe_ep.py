@@ -215,6 +215,19 @@ def test_plan_checks_the_receive_capacity():
         build_ep_plan(torch.tensor([[0, 1, 2, -1], [2, 3, 0, -1], [1, -1, -1, -1]]), buffer)
 
 
+def test_ranks_in_different_calls_are_stopped():
+    from deep_gemm.moe.ep import announce_call, check_calls
+    storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
+    ranks = [SymmBuffer(storages, r, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None) for r in range(2)]
+    for buffer in ranks:
+        announce_call(buffer, 0)
+    check_calls(ranks[0])
+    announce_call(ranks[0], 1)  # rank 0 runs a backward, rank 1 the next forward
+    announce_call(ranks[1], 0)
+    with pytest.raises(RuntimeError, match="different layer calls"):
+        check_calls(ranks[1])
+
+
 def test_nvlink_path_rejects_what_its_buffer_cannot_hold():
     p = make_moe_inputs(9, H, I, E_LOCAL, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="holds up to 8 tokens"):

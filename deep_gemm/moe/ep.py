@@ -37,8 +37,31 @@ class EpPlan:
     num_recv: torch.Tensor
 
 
+def announce_call(buffer: SymmBuffer, kind: int) -> None:
+    """Writes which exchange this rank is in (its count of exchanges, and `kind`: 0 forward,
+    1 backward) into every rank's buffer; call between the first two barriers of an exchange,
+    then `check_calls` after the second. Ranks that disagree (one skipped a layer's backward,
+    or raised on its own) would otherwise pair up the wrong barriers and read each other's
+    half-written rows; this stops them with an error instead."""
+    buffer.num_calls += 1
+    tag = torch.full((1,), 2 * buffer.num_calls + kind, dtype=torch.int64, device=buffer.local["calls"].device)
+    for peer_calls in buffer.region("calls").tensors:
+        peer_calls[buffer.rank:buffer.rank + 1].copy_(tag)
+
+
+def check_calls(buffer: SymmBuffer) -> None:
+    calls = buffer.local["calls"]
+    same = (calls == calls[buffer.rank]).all()
+    message = "expert-parallel ranks are in different layer calls (one skipped a forward or backward?)"
+    if calls.is_cuda:
+        torch._assert_async(same, message)
+    elif not bool(same):
+        raise RuntimeError(message)
+
+
 def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
-    """Collective over the buffer's group (two barriers). `topk_idx` ``[T, K]`` int64 holds
+    """Collective over the buffer's group (two barriers; also checks that every rank is in the
+    same exchange). `topk_idx` ``[T, K]`` int64 holds
     global expert ids (expert e on rank ``e // E_local``); ids outside ``[0, E)`` are empty."""
     num_tokens = topk_idx.shape[0]
     world, me, device = buffer.world, buffer.rank, topk_idx.device
@@ -49,9 +72,11 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
     counts = in_rank.sum(0, dtype=torch.int32)
 
     buffer.barrier()  # every rank is done with the buffer's previous contents
+    announce_call(buffer, 0)
     for peer_counts in buffer.region("counts").tensors:
         peer_counts[me].copy_(counts)
     buffer.barrier()
+    check_calls(buffer)
     matrix = buffer.local["counts"].to(torch.int64)  # [src, dst]
 
     # Every rank checks every receiver's capacity (all see the same matrix, so all stop).

@@ -38,6 +38,7 @@ def _regions(world: int, max_tokens: int, num_topk: int, hidden: int, max_recv: 
         ("topk_idx", (max_tokens, num_topk), torch.int64),
         ("topk_weights", (max_tokens, num_topk), torch.float32),
         ("counts", (world, world), torch.int32),  # [src, dst]: tokens src sends to dst
+        ("calls", (world,), torch.int64),  # which exchange each rank is in (see ep.announce_call)
         ("recv_x", (max_recv, hidden), torch.bfloat16),  # tokens received (x, then dy), by source rank
         ("recv_meta", (max_recv, num_topk + 1), torch.int32),  # their global expert ids, then origin
         ("recv_weights", (max_recv, num_topk), torch.float32),  # their routing weights
@@ -85,6 +86,7 @@ class SymmBuffer:
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
         self._barrier = barrier
+        self.num_calls = 0  # exchanges this rank has started (ep.announce_call)
         # Peer addresses for the kernels, built now: later, a host-to-device copy would block
         # the host and could not be captured in a CUDA graph.
         self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}

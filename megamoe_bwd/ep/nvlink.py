@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe.ep import build_ep_plan
+from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls
 from deep_gemm.moe.forward import MegaMoEHandle, check_moe_inputs, moe_forward
 from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
@@ -66,9 +66,12 @@ class _NvlinkMegaMoE(torch.autograd.Function):
          dst_row, pair_row, pair_valid, num_recv) = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
         (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
+        dy = dy.contiguous()
         buffer.barrier()  # every rank is done with the buffer's previous contents
-        ep_push_rows_bf16(dy.contiguous(), token, dst_rank, dst_row, buffer.region("recv_x"))
+        announce_call(buffer, 1)
+        ep_push_rows_bf16(dy, token, dst_rank, dst_row, buffer.region("recv_x"))
         buffer.barrier()
+        check_calls(buffer)
 
         handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
         d_recv_x, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
@@ -77,7 +80,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                      dst_f32=buffer.region("back_dw"), num_valid=num_recv)
         buffer.barrier()
         pairs = RoutingLayout(offsets, token, row_weight.new_empty(0), pair_row, pair_valid)
-        dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, torch.empty_like(dy))
+        dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, dy.new_empty(dy.shape))
         # Each slot's gradient comes from the rank holding its expert; the others sent zeros.
         partial_dw = buffer.local["back_dw"][:num_tokens * world].view(num_tokens, world, num_topk)
         dtopk_weights = torch.where(pair_valid.unsqueeze(2), partial_dw, 0.0).sum(1)
