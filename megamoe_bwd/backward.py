@@ -16,7 +16,7 @@ import torch
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
 from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
-from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
+from deep_gemm.moe.glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
 
 
 def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int], dtype: torch.dtype,
@@ -79,7 +79,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     if moe_forward_module.FUSED_GATHER:
         (dy_rows, dy_index), (x_rows, x_index) = (dy, layout.row_token), (x, layout.row_token)
     else:
-        dy_rows, dy_index = dy.index_select(0, layout.row_token), None
+        dy_rows, dy_index = moe_gather_rows_bf16(dy, layout), None
     d_act = dy.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
@@ -92,7 +92,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2, offsets, accumulate=accumulate_dl2,
                                               a_row_index=dy_index)
             if not moe_forward_module.FUSED_GATHER:
-                x_rows, x_index = x.index_select(0, layout.row_token), None
+                x_rows, x_index = moe_gather_rows_bf16(x, layout), None
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
 
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)

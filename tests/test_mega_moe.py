@@ -69,6 +69,7 @@ def test_emulations_take_the_kernels_arguments():
     import deep_gemm.moe.glue as glue
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
              (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows_bf16),
+             (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
@@ -240,6 +241,15 @@ def test_swiglu_kernels():
     assert relative_error(act_weighted[:routed], ref_act_weighted[:routed]) < 4e-3
     assert relative_error(dz[:routed], ref_dz[:routed]) < 4e-3
     assert relative_error(row_dw[:routed], ref_dw[:routed]) < 1e-4
+
+
+@requires_sm90
+def test_gather_kernel_copies_the_routed_rows():
+    from deep_gemm.moe.glue import moe_gather_rows_bf16
+    layout = _routed_layout()
+    routed = int(layout.offsets[-1])
+    src = torch.randn(600, 1024, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(moe_gather_rows_bf16(src, layout)[:routed], emulate.moe_gather_rows(src, layout)[:routed])
 
 
 @requires_sm90

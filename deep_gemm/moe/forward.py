@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..gemm import m_grouped_bf16_gemm_nt_contiguous, m_grouped_bf16_gemm_nt_swiglu_contiguous
-from .glue import moe_combine_bf16, moe_swiglu_fwd_bf16
+from .glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout, build_routing_layout
 
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
@@ -89,7 +89,7 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
-    a, index = (x, layout.row_token) if FUSED_GATHER else (x.index_select(0, layout.row_token), None)
+    a, index = (x, layout.row_token) if FUSED_GATHER else (moe_gather_rows_bf16(x, layout), None)
     if FUSED_SWIGLU and two_inter % 256 == 0:
         act = x.new_empty(num_slots, two_inter // 2)
         m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)

@@ -1,6 +1,6 @@
 """Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh, ep_*.cuh):
-SwiGLU forward, SwiGLU backward with the routing-weight gradient, the weighted combine, and
-the expert-parallel row push into other ranks' buffers. All bf16 with fp32 math, 16-byte accesses, no host sync
+the routed-row copy, SwiGLU forward, SwiGLU backward with the routing-weight gradient, the
+weighted combine, and the expert-parallel row push into other ranks' buffers. All bf16 with fp32 math, 16-byte accesses, no host sync
 (routed-row counts are read on the GPU), deterministic (no atomics)."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ _KERNELS = {
     "moe_combine": ("MoECombineParams", 256, 8),
     "moe_swiglu_fwd": ("MoESwiGLUFwdParams", 256, 8),
     "moe_swiglu_bwd": ("MoESwiGLUBwdParams", 128, 16),
+    "moe_gather_rows": ("MoEGatherRowsParams", 256, 4),
     "ep_push_rows": ("EpPushRowsParams", 256, 4),
 }
 
@@ -78,6 +79,19 @@ def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optiona
     _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
                                  0 if weights is None else weights.data_ptr(), out.data_ptr()],
             [num_tokens, hidden, num_topk], rows.device.index)
+    return out
+
+
+def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
+    """``out[r] = src[row_token[r]]`` for the routed rows r < offsets[E] of ``out [T * K, H]``
+    (rows of empty slots are left unwritten: they cost nothing). src ``[T, H]`` bf16."""
+    _check_bf16(src=src)
+    out = src.new_empty(layout.num_slots, src.shape[1])
+    if layout.num_slots and src.shape[1]:
+        if src.shape[1] % 8:
+            raise ValueError(f"H = {src.shape[1]} must be a multiple of 8")
+        _launch("moe_gather_rows", [src.data_ptr(), layout.row_token.data_ptr(), out.data_ptr(), _num_rows_ptr(layout)],
+                [src.shape[1]], src.device.index)
     return out
 
 

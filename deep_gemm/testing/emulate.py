@@ -62,6 +62,13 @@ def _routed(layout) -> int:
     return int(layout.offsets[-1])
 
 
+def moe_gather_rows(src, layout):
+    """Emulates `deep_gemm.moe.glue.moe_gather_rows_bf16`."""
+    out = src.index_select(0, layout.row_token)
+    out[_routed(layout):] = float("nan")
+    return out
+
+
 def moe_swiglu_fwd(h, layout):
     """Emulates `deep_gemm.moe.glue.moe_swiglu_fwd_bf16`."""
     gate, up = h.chunk(2, dim=-1)

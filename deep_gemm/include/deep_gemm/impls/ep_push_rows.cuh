@@ -8,6 +8,7 @@
 // 16-byte accesses for the row.
 #include <cstdint>
 #include <cuda_bf16.h>
+#include "../ptx/vec.cuh"
 
 namespace deep_gemm {
 
@@ -36,10 +37,9 @@ __device__ __forceinline__ void ep_push_rows_impl(const EpPushRowsParams& p) {
             continue;
         const int32_t rank = p.dst_rank[i];
         const int64_t src_row = p.src_row != nullptr ? p.src_row[i] : i;
-        const auto* from = reinterpret_cast<const uint4*>(p.src + src_row * p.hidden);
-        auto* to = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.dst_rows[rank]) + row * p.hidden);
-        for (uint32_t v = lane; v < num_vecs; v += 32)
-            to[v] = __ldg(from + v);
+        ptx::copy_row_warp(reinterpret_cast<const uint4*>(p.src + src_row * p.hidden),
+                           reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.dst_rows[rank]) + row * p.hidden),
+                           num_vecs, lane);
         if (p.f32 != nullptr) {
             for (uint32_t c = lane; c < p.f32_cols; c += 32)
                 reinterpret_cast<float*>(p.dst_f32[rank])[row * p.f32_cols + c] = p.f32[src_row * p.f32_cols + c];

@@ -26,4 +26,23 @@ __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* ptr, const float (&i
     *reinterpret_cast<uint4*>(ptr) = raw;
 }
 
+// One warp copies a row of `num_vecs` 16-byte vectors, 8 loads in flight per lane before
+// their stores (a load-store loop keeps one in flight: the pointers may alias).
+__device__ __forceinline__ void copy_row_warp(const uint4* from, uint4* to, uint32_t num_vecs, uint32_t lane) {
+    constexpr uint32_t kUnroll = 8;
+    for (uint32_t base = lane; base < num_vecs; base += 32 * kUnroll) {
+        uint4 v[kUnroll];
+        #pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            if (base + 32 * u < num_vecs)
+                v[u] = __ldg(from + base + 32 * u);
+        }
+        #pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            if (base + 32 * u < num_vecs)
+                to[base + 32 * u] = v[u];
+        }
+    }
+}
+
 }  // namespace deep_gemm::ptx
