@@ -1,10 +1,10 @@
 """Mega MoE backward on one GPU, bf16.
 
-Data-gradient chain: dA = dy[rows] @ l2[e] (m-grouped nn, dy's rows gathered by the loads) ->
-one pass for the SwiGLU backward, the weighted activation w * a and the routing-weight
-gradient <dA, a> -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots. The
-weight gradients (K-grouped GEMMs, gathering dy's and x's rows in their loads) run on a side
-stream beside the dx GEMM and combine.
+dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the weighted
+activation w * a and the routing-weight gradient <dA, a> -> dl2 = dy[rows]^T @ (w * a)
+(k-grouped) -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots, with
+dl1 = dz^T @ x[rows] (k-grouped) on a side stream beside the last two. Token rows of dy and x
+are copied to routed order first, or gathered by the GEMMs' loads (FUSED_GATHER).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         raise ValueError(f"dy must be a {x.dtype} [{num_tokens}, {hidden}] tensor on {x.device}")
     if weight_grad_dtype not in (torch.float32, torch.bfloat16) and x.is_cuda:
         raise TypeError(f"weight_grad_dtype must be float32 or bfloat16, got {weight_grad_dtype}")
-    dy, x = dy.contiguous(), x.contiguous()  # row gathers read them with TMA
+    dy, x = dy.contiguous(), x.contiguous()  # row gathers index them as dense rows
     offsets = layout.offsets
     l1_shape, l2_shape = (num_experts, two_inter, hidden), (num_experts, hidden, two_inter // 2)
 
@@ -85,12 +85,16 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
     del d_act
 
+    # dl2[e] = dy_e^T @ (w * act)_e first, on this stream, so that its operands are freed before
+    # dx's rows are allocated (measured peak with both alive: 0.4 GB above the baseline's at 30B).
+    k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2, offsets, accumulate=accumulate_dl2,
+                                      a_row_index=dy_index)
+    del dy_rows, act_weighted
+
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
     try:
-        with on_side:  # dl2[e] = dy_e^T @ (w * act)_e and dl1[e] = dz_e^T @ x_e, beside the dx chain
-            k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, dl2, offsets, accumulate=accumulate_dl2,
-                                              a_row_index=dy_index)
+        with on_side:  # dl1[e] = dz_e^T @ x_e, beside the dx chain
             if not moe_forward_module.FUSED_GATHER:
                 x_rows, x_index = moe_gather_rows_bf16(x, layout), None
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
