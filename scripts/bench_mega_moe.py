@@ -18,8 +18,10 @@ TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLi
 (`ep_mega_moe_nvlink`, tokens pushed through a symmetric buffer), ours over DeepEP when it is
 installed (`ep_mega_moe_deep_ep`), our interim path (the all-to-all exchange around our fused
 layer, `ep_mega_moe_nccl`) and the compute-only time of
-each rank's expert MLPs (torch._grouped_mm on uniform groups), and reports per-GPU numbers
-(the slowest rank's median).
+each rank's work (torch._grouped_mm on uniform groups, and our single-GPU layer on T tokens
+routed over the local experts), and reports per-GPU numbers (the slowest rank's median), each
+path's speed-up over the all-to-all baseline and its time over our compute-only time (the
+share of communication left unhidden).
 """
 from __future__ import annotations
 
@@ -166,8 +168,8 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
 
     if rank == 0:
         print(f"EP over {world} x {torch.cuda.get_device_name()}; per-GPU numbers, slowest rank")
-        print(f"{'model':<5} {'route':<7} {'tokens':>6} {'impl':<16} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} "
-              f"{'TFLOPS/GPU':>10}", flush=True)
+        print(f"{'model':<5} {'route':<7} {'tokens':>6} {'impl':<18} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} "
+              f"{'TFLOPS/GPU':>10} {'vs a2a':>7} {'/ ours compute':>14}", flush=True)
     for model in models.split(","):
         hidden, inter, experts, topk, default_tokens = MODELS[model]
         token_counts = [int(t) for t in tokens_arg.split(",")] if tokens_arg else [default_tokens]
@@ -183,6 +185,8 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                 inputs = [p["x"], p["topk_idx"], p["topk_weights"], l1, l2]
                 del p["l1"], p["l2"]
                 rows = torch.randn(tokens * topk, hidden, device="cuda", dtype=torch.bfloat16)
+                local_work = make_moe_inputs(tokens, hidden, inter, l1.shape[0], topk, device="cuda", seed=2000 + rank)
+                del local_work["l1"], local_work["l2"]  # the rank's own experts are used
                 per_expert = tokens * topk // l1.shape[0]
                 offs = torch.arange(1, l1.shape[0] + 1, device="cuda", dtype=torch.int32) * per_expert
                 timings = {
@@ -193,13 +197,19 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                                                       p["dy"])} if deep_ep_buffer is not None else {}),
                     "torch compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
                                                  torch.randn_like(rows)),
+                    # our single-GPU layer on the same per-rank work: T tokens, K slots over the local experts
+                    "ours compute only": time_fwd_bwd(mega_moe, [local_work[k] for k in ("x", "topk_idx", "topk_weights")]
+                                                      + [l1, l2], local_work["dy"]),
                 }
-                for name, (fwd, bwd, _) in timings.items():
-                    fwd, bwd = slowest(fwd), slowest(bwd)
+                slow = {name: (slowest(fwd), slowest(bwd)) for name, (fwd, bwd, _) in timings.items()}
+                totals = {name: fwd + bwd for name, (fwd, bwd) in slow.items()}
+                for name, (fwd, bwd) in slow.items():
+                    total = fwd + bwd
                     if rank == 0:
-                        print(f"{model:<5} {routing:<7} {tokens:>6} {name:<16} {fwd:>8.2f} {bwd:>8.2f} "
-                              f"{fwd + bwd:>8.2f} {flops / (fwd + bwd) / 1e9:>10.0f}", flush=True)
-                del inputs, rows
+                        print(f"{model:<5} {routing:<7} {tokens:>6} {name:<18} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
+                              f"{flops / total / 1e9:>10.0f} {totals['torchtitan a2a'] / total:>6.2f}x "
+                              f"{total / totals['ours compute only']:>13.2f}x", flush=True)
+                del inputs, rows, local_work
                 torch.cuda.empty_cache()
 
 
