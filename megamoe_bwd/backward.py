@@ -16,7 +16,7 @@ import torch
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
 from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
-from deep_gemm.moe.glue import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
+from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
 
 
 def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int], dtype: torch.dtype,
@@ -75,11 +75,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     side = _side_stream(x.device)
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
-    # Routed rows of dy and x: gathered by the GEMMs' loads, or copied first.
-    if moe_forward_module.FUSED_GATHER:
-        (dy_rows, dy_index), (x_rows, x_index) = (dy, layout.row_token), (x, layout.row_token)
-    else:
-        dy_rows, dy_index = moe_gather_rows_bf16(dy, layout), None
+    dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout)
     d_act = dy.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
@@ -95,8 +91,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         side.wait_stream(torch.cuda.current_stream(x.device))
     try:
         with on_side:  # dl1[e] = dz_e^T @ x_e, beside the dx chain
-            if not moe_forward_module.FUSED_GATHER:
-                x_rows, x_index = moe_gather_rows_bf16(x, layout), None
+            x_rows, x_index = moe_forward_module.routed_rows(x, layout)  # a copy overlaps the dx GEMM
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
 
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)

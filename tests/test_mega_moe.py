@@ -68,7 +68,7 @@ def test_emulations_take_the_kernels_arguments():
     import inspect
     import deep_gemm.moe.glue as glue
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
-             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows_bf16),
+             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows),
              (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),

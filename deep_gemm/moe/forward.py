@@ -83,13 +83,22 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, sync: bool) -> No
         torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {num_experts})")
 
 
+def routed_rows(t: torch.Tensor, layout: RoutingLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(rows, row_index)`` for a GEMM operand holding token `t`'s routed rows: `t` itself with
+    the layout's row_token as index (gathered by the GEMM's loads) when FUSED_GATHER, else a
+    copy in routed order and no index."""
+    if FUSED_GATHER:
+        return t, layout.row_token
+    return moe_gather_rows_bf16(t, layout), None
+
+
 def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
                 l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
-    a, index = (x, layout.row_token) if FUSED_GATHER else (moe_gather_rows_bf16(x, layout), None)
+    a, index = routed_rows(x, layout)
     if FUSED_SWIGLU and two_inter % 256 == 0:
         act = x.new_empty(num_slots, two_inter // 2)
         m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)
