@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
-# Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,moe_bench by default): install,
+# Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,moe_bench by default; TEST_GROUPS picks
+# test groups): install,
 # compile every kernel variant in parallel, the GPU tests, HGMMA / local-memory check of every
 # cached kernel, compute-sanitizer memcheck and racecheck on a small case, the GEMM benchmark
 # (BENCH_ARGS), the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot. Every step runs under a hard
@@ -30,6 +31,7 @@ if has tests; then
   # its CUDA context and a hang kills its process, and neither should take later groups along.
   run_tests() {
     local name=$1 limit=$2; shift 2
+    [[ ",${TEST_GROUPS:-gemm,gather,swiglu,moe,other}," == *",$name,"* ]] || return 0
     timeout -s KILL "$limit" python3 -m pytest -q -rf --maxfail=30 --timeout 60 --timeout-method=thread \
       -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_$name.log" | tail -${TEST_TAIL:-6} | sed "s/^/[$name] /"
   }

@@ -157,7 +157,12 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     offset = getattr(handle, "offset", 0)
     if handle.buffer_ptrs[rank] + offset != storage.data_ptr():
         raise RuntimeError("symmetric memory: this rank's buffer is not where the handle says")
-    storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, offset) for r in range(world)]
+    # Torch versions differ on whether get_buffer adds the allocation's offset itself.
+    own = handle.get_buffer(rank, (nbytes,), torch.uint8, 0).data_ptr()
+    if own not in (storage.data_ptr(), storage.data_ptr() - offset):
+        raise RuntimeError("symmetric memory: get_buffer does not map this rank's buffer")
+    extra = 0 if own == storage.data_ptr() else offset
+    storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, extra) for r in range(world)]
     precompile_exchange_kernels()
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                         barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS),
