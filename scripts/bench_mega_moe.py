@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -67,15 +68,25 @@ def liger_impl():
     return lambda x, idx, w, l1, l2: LigerFusedMoEFunction.apply(x, l1, l2, idx.to(torch.int32), w)
 
 
-def profile(fn, inputs, dy, title: str) -> None:
-    """GPU time per kernel of one fwd+bwd (after a warm-up), largest first."""
+def profile(fn, inputs, dy, title: str, show: bool = True) -> None:
+    """GPU time per kernel of one fwd+bwd (after a warm-up), largest first, and the host's time
+    to issue the fwd and the bwd (when it exceeds the GPU's, the GPU waits for the host).
+    Collective when `fn` is; `show` False profiles without printing (other ranks)."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fn(*leaves).backward(dy)
+    torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        fn(*leaves).backward(dy)
+        start = time.perf_counter()
+        y = fn(*leaves)
+        issued_fwd = time.perf_counter()
+        y.backward(dy)
+        issued_bwd = time.perf_counter()
         torch.cuda.synchronize()
-    print(f"-- {title}: GPU time per op (with input shapes), one fwd+bwd --")
+    if not show:
+        return
+    print(f"-- {title}: GPU time per op (with input shapes), one fwd+bwd; host issued the fwd in "
+          f"{(issued_fwd - start) * 1e3:.2f} ms, the bwd in {(issued_bwd - issued_fwd) * 1e3:.2f} ms (profiled) --")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=25,
                                                              max_name_column_width=40, max_shapes_column_width=70),
           flush=True)
@@ -118,7 +129,7 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
     args = parser.parse_args()
     if args.num_processes > 1:
-        launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, backend="nccl")
+        launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, backend="nccl")
         return
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe}
@@ -157,8 +168,9 @@ def main() -> None:
         plot(results, args.plot)
 
 
-def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> None:
-    """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers."""
+def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, profile_nvlink: bool = False) -> None:
+    """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers
+    (and, with `profile_nvlink`, its kernel profile of the NVLink path)."""
     from megamoe_bwd.baseline import expert_mlps
 
     def slowest(ms: float) -> float:
@@ -209,6 +221,9 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg) -> 
                         print(f"{model:<5} {routing:<7} {tokens:>6} {name:<18} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
                               f"{flops / total / 1e9:>10.0f} {totals['torchtitan a2a'] / total:>6.2f}x "
                               f"{total / totals['ours compute only']:>13.2f}x", flush=True)
+                if profile_nvlink:
+                    profile(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"],
+                            f"rank 0 of {world}, nvlink, {model} {routing} {tokens} tokens", show=rank == 0)
                 del inputs, rows, local_work
                 torch.cuda.empty_cache()
 
