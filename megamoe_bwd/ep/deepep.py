@@ -68,4 +68,5 @@ def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     differentiable."""
     num_local = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)[3]
     num_experts = num_local * buffer.group_size
-    return _DeepEPMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer, num_experts)
+    return _DeepEPMegaMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), l1, l2, buffer,
+                                num_experts)
