@@ -90,6 +90,27 @@ def profile(fn, inputs, dy, title: str, show: bool = True) -> None:
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=25,
                                                              max_name_column_width=40, max_shapes_column_width=70),
           flush=True)
+    print_gpu_gaps(prof)
+
+
+def print_gpu_gaps(prof, top: int = 8) -> None:
+    """How long the GPU ran no kernel between the first and the last kernel of the profile,
+    and the longest such gaps with the kernels around them."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return
+    gaps, busy_until, last_name = [], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, start - kernels[0][0], last_name, name))
+        if end > busy_until:
+            busy_until, last_name = end, name
+    wall = busy_until - kernels[0][0]
+    idle = sum(g[0] for g in gaps)
+    print(f"GPU idle {idle / 1e3:.2f} ms of {wall / 1e3:.2f} ms between the first and last kernel; longest gaps:")
+    for length, at, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {length / 1e3:6.3f} ms at {at / 1e3:7.3f} ms: after {before[:50]}, before {after[:50]}")
 
 
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):

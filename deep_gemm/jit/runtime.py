@@ -56,10 +56,10 @@ def _ensure_context(device: int) -> None:
 
 
 class Kernel:
-    """A compiled kernel (entry `kernel`), loaded once per device on first launch."""
+    """A compiled kernel (entry `entry`), loaded once per device on first launch."""
 
-    def __init__(self, name: str, source: str, num_threads: int, smem_bytes: int):
-        self.name = name
+    def __init__(self, name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel"):
+        self.name, self.entry = name, entry
         self.num_threads = num_threads
         self.smem_bytes = smem_bytes
         self.cubin = compile_cubin(name, source)
@@ -71,7 +71,7 @@ class Kernel:
         if fn is None:
             _ensure_context(device)
             module = check(cu.cuModuleLoadData(self.cubin.read_bytes()))
-            fn = check(cu.cuModuleGetFunction(module, b"kernel"))
+            fn = check(cu.cuModuleGetFunction(module, self.entry.encode()))
             check(cu.cuFuncSetAttribute(
                 fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes))
             if trace_enabled():
@@ -121,29 +121,31 @@ def _attach_trace(module) -> None:
 _kernels: dict[tuple[str, str], Kernel] = {}
 
 
-def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int) -> Kernel:
+def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel") -> Kernel:
     """The kernel for `source`, compiled (or read from the disk cache) once per process."""
     key = (name, source)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[key] = Kernel(name, source, num_threads, smem_bytes)
+        kernel = _kernels[key] = Kernel(name, source, num_threads, smem_bytes, entry)
     return kernel
 
 
 def build_kernel(header: str, params_type: str, impl: str, template_args: list, num_threads: int,
                  smem_bytes: int) -> Kernel:
     """The kernel whose `extern "C"` entry runs ``deep_gemm::impl<template_args>(params)``,
-    `impl` coming from ``deep_gemm/impls/<header>``; compiled once (disk-cached)."""
+    `impl` coming from ``deep_gemm/impls/<header>``; compiled once (disk-cached). The entry is
+    named after `impl`, so that profilers tell the kernels apart."""
     args = ", ".join(str(a) for a in template_args)
+    entry = "dg_" + impl.removesuffix("_impl")
     source = (
         ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
         f"#include <deep_gemm/impls/{header}>\n\n"
         f'extern "C" __global__ void __launch_bounds__({num_threads}, 1)\n'
-        f"kernel(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
+        f"{entry}(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
         f"    deep_gemm::{impl}<{args}>(p);\n"
         f"}}\n")
     name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
-    return get_kernel(name, source, num_threads, smem_bytes)
+    return get_kernel(name, source, num_threads, smem_bytes, entry)
 
 
 def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:
