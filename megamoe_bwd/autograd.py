@@ -32,7 +32,7 @@ def _(x, topk_idx, topk_weights, l1, l2):
             topk_idx.new_empty(topk_idx.shape, dtype=torch.bool))
 
 
-@torch.library.custom_op("megamoe::backward", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("megamoe::backward", mutates_args=("h",), device_types="cuda")
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
                  offsets: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, slot_row: torch.Tensor,
                  slot_valid: torch.Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

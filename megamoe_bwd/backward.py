@@ -30,6 +30,11 @@ def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int]
     return out, True
 
 
+# Measurement switches (the benchmark times each): dl1 beside the dx chain on a side stream
+# or after it (x's rows and dx's rows never alive together); dl1 gathering x's rows in its
+# loads instead of a copy.
+DL1_BESIDE_DX = True
+DL1_GATHERS_X = False
 _side_streams: dict = {}
 
 
@@ -42,7 +47,8 @@ def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 
 
 def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
-                      weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None, dl2: Optional[torch.Tensor] = None
+                      weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None,
+                      dl2: Optional[torch.Tensor] = None, keep_handle: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
@@ -52,12 +58,18 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         handle: from ``bf16_mega_moe(..., training=True)``.
         weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
         dl1, dl2: optional existing gradients (fp32 or bf16) to accumulate into, in place.
+        keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
+            gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
+            so a saved copy of it cannot be reused silently) and a second backward with it
+            raises. True keeps it usable, at that memory cost.
 
     Returns:
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],
         dl2 [E, H, I])``.
     """
     x, layout, h = handle.x, handle.layout, handle.h
+    if h is None:
+        raise ValueError("this handle was consumed by an earlier mega_moe_backward (pass keep_handle=True to reuse one)")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = l1.shape
     if dy.dtype != x.dtype or tuple(dy.shape) != (num_tokens, hidden) or dy.device != x.device:
@@ -78,8 +90,13 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout)
     d_act = dy.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    del d_act
+    if not keep_handle:
+        handle.h = None
+        torch.autograd.graph.increment_version(h)  # dz is written over it
+    h = h.contiguous()
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
+                                                   act_weighted=d_act)
+    del d_act, h
 
     # dl2[e] = dy_e^T @ (w * act)_e first, on this stream, so that its operands are freed before
     # dx's rows are allocated (measured peak with both alive: 0.4 GB above the baseline's at 30B).
@@ -87,19 +104,29 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
                                       a_row_index=dy_index)
     del dy_rows, act_weighted
 
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
-    try:
-        with on_side:  # dl1[e] = dz_e^T @ x_e, beside the dx chain
-            x_rows, x_index = moe_forward_module.routed_rows(x, layout)  # a copy overlaps the dx GEMM
-            k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
+    def weight_grad_l1() -> None:  # dl1[e] = dz_e^T @ x_e
+        if DL1_GATHERS_X:
+            x_rows, x_index = x, layout.row_token
+        else:
+            x_rows, x_index = moe_forward_module.routed_rows(x, layout)
+        k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
 
+    def input_grad() -> torch.Tensor:  # dx = sum over slots of dz @ l1[e]
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
-        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
-        dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
-        dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
-                                    .view_as(layout.slot_row), 0.0)
+        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)
+        return moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+
+    dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
+                                .view_as(layout.slot_row), 0.0)
+    if side is None or not DL1_BESIDE_DX:
+        dx = input_grad()  # dx's rows are freed before x's rows are allocated
+        weight_grad_l1()
+        return dx, dtopk_weights, dl1, dl2
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    try:
+        with on_side:  # x's row copy and dl1 beside the dx GEMM
+            weight_grad_l1()
+        dx = input_grad()
     finally:  # join even on an error, before the side stream's inputs can be freed
-        if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
+        torch.cuda.current_stream(x.device).wait_stream(side)
     return dx, dtopk_weights, dl1, dl2

@@ -63,6 +63,22 @@ def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E
     assert torch.all(dw[p["topk_idx"] < 0] == 0)
 
 
+def test_backward_consumes_its_handle_unless_kept(emulated_gemms):
+    """The backward writes dz over the handle's h (less peak memory), so a handle serves one
+    backward; keep_handle=True keeps it for more, with the same results."""
+    p = make_moe_inputs(33, 64, 64, 8, 4, dtype=torch.float64, routing="skewed", empty_slot_frac=0.2)
+    layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
+    h = moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"], torch.empty_like(p["x"]))
+    kept = MegaMoEHandle(layout, p["x"], h.clone())
+    first = mega_moe_backward(p["dy"], p["l1"], p["l2"], kept, weight_grad_dtype=torch.float64, keep_handle=True)
+    second = mega_moe_backward(p["dy"], p["l1"], p["l2"], kept, weight_grad_dtype=torch.float64, keep_handle=True)
+    handle = MegaMoEHandle(layout, p["x"], h)
+    consumed = mega_moe_backward(p["dy"], p["l1"], p["l2"], handle, weight_grad_dtype=torch.float64)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, consumed))
+    with pytest.raises(ValueError, match="consumed"):
+        mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+
+
 def test_emulations_take_the_kernels_arguments():
     # The CPU tests swap the kernels for emulations; a signature drift would hide GPU-only bugs.
     import inspect
@@ -241,6 +257,12 @@ def test_swiglu_kernels():
     assert relative_error(act_weighted[:routed], ref_act_weighted[:routed]) < 4e-3
     assert relative_error(dz[:routed], ref_dz[:routed]) < 4e-3
     assert relative_error(row_dw[:routed], ref_dw[:routed]) < 1e-4
+    # Written over its inputs, bitwise the same.
+    h_in, d_act_in = h.clone(), d_act.clone()
+    dz_in, act_weighted_in, row_dw_in = moe_swiglu_bwd_bf16(h_in, d_act_in, layout, dz=h_in, act_weighted=d_act_in)
+    assert dz_in.data_ptr() == h_in.data_ptr() and act_weighted_in.data_ptr() == d_act_in.data_ptr()
+    assert torch.equal(dz_in[:routed], dz[:routed]) and torch.equal(act_weighted_in[:routed], act_weighted[:routed])
+    assert torch.equal(row_dw_in[:routed], row_dw[:routed])
 
 
 @requires_sm90
@@ -286,6 +308,17 @@ def test_autograd_module_matches_direct_api():
                                          weight_grad_dtype=torch.bfloat16)
     assert torch.equal(y, y_direct) and torch.equal(x.grad, dx) and torch.equal(w.grad, dw)
     assert torch.equal(module.l1.grad, dl1) and torch.equal(module.l2.grad, dl2)
+
+
+@requires_sm90
+def test_a_second_backward_through_the_graph_raises():
+    """The first backward overwrites the saved h; autograd sees it and refuses a second one."""
+    p = make_moe_inputs(64, 512, 256, 4, 2, device="cuda")
+    x = p["x"].clone().requires_grad_()
+    y = mega_moe(x, p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
+    y.backward(p["dy"], retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(p["dy"])
 
 
 @requires_sm90

@@ -105,7 +105,8 @@ def moe_swiglu_fwd_bf16(h: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
     return act
 
 
-def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayout
+def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayout, *,
+                        dz: Optional[torch.Tensor] = None, act_weighted: Optional[torch.Tensor] = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SwiGLU backward of the routed rows, one pass.
 
@@ -113,11 +114,17 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     routing weight w), returns ``(dz [T * K, 2I], act_weighted [T * K, I], row_dw [T * K] fp32)``
     with ``act_weighted = w * silu(g) * u`` (so that ``dl2[e] = dy_e^T @ act_weighted_e``),
     ``row_dw = <d_act, silu(g) * u>`` (the routing-weight gradient of each row) and ``dz`` the
-    gradient of ``[g | u]`` for ``w * d_act``.
+    gradient of ``[g | u]`` for ``w * d_act``. `dz` and `act_weighted`, when given, are written
+    (contiguous, shaped like h and d_act); they may be h and d_act themselves (each element is
+    read before it is overwritten, by the same thread).
     """
     _check_bf16(h=h, d_act=d_act)
     rows, inter = d_act.shape
-    dz, act_weighted = torch.empty_like(h), torch.empty_like(d_act)
+    dz = torch.empty_like(h) if dz is None else dz
+    act_weighted = torch.empty_like(d_act) if act_weighted is None else act_weighted
+    for name, t, like in (("dz", dz, h), ("act_weighted", act_weighted, d_act), ("h", h, h), ("d_act", d_act, d_act)):
+        if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
     row_dw = torch.empty(rows, device=h.device, dtype=torch.float32)
     if rows:
         _launch("moe_swiglu_bwd", [h.data_ptr(), d_act.data_ptr(), layout.row_weight.data_ptr(), dz.data_ptr(),

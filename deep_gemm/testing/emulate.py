@@ -77,8 +77,9 @@ def moe_swiglu_fwd(h, layout):
     return act
 
 
-def moe_swiglu_bwd(h, d_act, layout):
-    """Emulates `deep_gemm.moe.glue.moe_swiglu_bwd_bf16`."""
+def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
+    """Emulates `deep_gemm.moe.glue.moe_swiglu_bwd_bf16` (outputs may be its inputs)."""
+    outputs = dz, act_weighted
     gate, up = h.chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     act = gate * sig * up
@@ -89,6 +90,7 @@ def moe_swiglu_bwd(h, d_act, layout):
     act_weighted = act * w
     for t in (dz, act_weighted, row_dw):
         t[_routed(layout):] = float("nan")
+    dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
 
 
