@@ -38,7 +38,6 @@ import torch.distributed as dist  # noqa: E402
 
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
-from megamoe_bwd import backward as moe_backward_module  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
 from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
@@ -154,8 +153,7 @@ def main() -> None:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, backend="nccl")
         return
 
-    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe,
-             "ours, dl1 after dx": mega_moe, "ours, dl1 gathers x": mega_moe}
+    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe}
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -173,11 +171,8 @@ def main() -> None:
             torch_total = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
                 moe_forward_module.FUSED_GATHER = name == "ours, fused gather"
-                moe_backward_module.DL1_BESIDE_DX = name != "ours, dl1 after dx"
-                moe_backward_module.DL1_GATHERS_X = name == "ours, dl1 gathers x"
                 fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
-                moe_forward_module.FUSED_GATHER = moe_backward_module.DL1_GATHERS_X = False
-                moe_backward_module.DL1_BESIDE_DX = True
+                moe_forward_module.FUSED_GATHER = False
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<19} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
