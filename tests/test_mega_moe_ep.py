@@ -153,6 +153,38 @@ def _check_stacked_layers(rank: int, world: int, impl_name: str, device: torch.d
     return errors
 
 
+def _check_graph_capture(rank: int, world: int, device: torch.device) -> None:
+    """The NVLink path has no host sync: one training step (forward, backward) of every rank
+    captures into a CUDA graph whose replay gives bitwise the eager results."""
+    tokens = [40 + 3 * r for r in range(world)]
+    p = _problem(tokens, world, "uniform", 0.1, torch.bfloat16)
+    mine = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    experts = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    x, idx, w, dy = (p[k][mine].to(device) for k in ("x", "topk_idx", "topk_weights", "dy"))
+    l1, l2 = p["l1"][experts].to(device), p["l2"][experts].to(device)
+
+    def step():
+        leaves = [t.detach().requires_grad_() for t in (x, w, l1, l2)]
+        y = ep_mega_moe_nvlink(leaves[0], idx, leaves[1], leaves[2], leaves[3], _BUFFER[0])
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), eager, captured):
+        if not torch.equal(a, b):
+            raise AssertionError(f"rank {rank}: CUDA-graph replay of the NVLink path differs in {name}")
+
+
 def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list) -> SymmBuffer:
     if device.type == "cuda":
         return get_symm_buffer_for_mega_moe(None, E_LOCAL * world, MAX_TOKENS, K, H, I)
@@ -175,6 +207,10 @@ def _run_all(rank: int, world: int, verbose: bool, cpu_storages: list) -> None:
         errors = _check_stacked_layers(rank, world, impl_name, device, 2.5 * tol)
         if verbose and rank == 0:
             print(f"{impl_name:<22} {NUM_LAYERS} stacked layers  worst {max(errors.values()):.1e}", flush=True)
+    if device.type == "cuda":
+        _check_graph_capture(rank, world, device)
+        if verbose and rank == 0:
+            print("ours (nvlink)          one step captured in a CUDA graph: replay equals eager", flush=True)
 
 
 def _cpu_storages(world: int) -> list:

@@ -39,8 +39,8 @@ class EpPlan:
 
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
     """Writes which exchange this rank is in (its count of exchanges, and `kind`: 0 forward,
-    1 backward) into every rank's buffer; call between the first two barriers of an exchange,
-    then `check_calls` after the second. Ranks that disagree (one skipped a layer's backward,
+    1 backward) into every rank's buffer at the start of an exchange, then `check_calls` after
+    its first barrier. Ranks that disagree (one skipped a layer's backward,
     or raised on its own) would otherwise pair up the wrong barriers and read each other's
     half-written rows; this stops them with an error instead."""
     buffer.num_calls += 1
@@ -60,7 +60,7 @@ def check_calls(buffer: SymmBuffer) -> None:
 
 
 def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
-    """Collective over the buffer's group (two barriers; also checks that every rank is in the
+    """Collective over the buffer's group (one barrier; also checks that every rank is in the
     same exchange). `topk_idx` ``[T, K]`` int64 holds
     global expert ids (expert e on rank ``e // E_local``); ids outside ``[0, E)`` are empty."""
     num_tokens = topk_idx.shape[0]
@@ -71,7 +71,8 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
     in_rank = in_rank[:, :world].contiguous()
     counts = in_rank.sum(0, dtype=torch.int32)
 
-    buffer.barrier()  # every rank is done with the buffer's previous contents
+    # No barrier first: every exchange ends with one that each rank reaches only after its last
+    # read of the receive regions, and counts and calls were read before that.
     announce_call(buffer, 0)
     for peer_counts in buffer.region("counts").tensors:
         peer_counts[me].copy_(counts)

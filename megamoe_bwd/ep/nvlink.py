@@ -67,8 +67,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         buffer: SymmBuffer = ctx.buffer
         (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
         dy = dy.contiguous()
-        buffer.barrier()  # every rank is done with the buffer's previous contents
-        announce_call(buffer, 1)
+        announce_call(buffer, 1)  # (no barrier before: see build_ep_plan)
         ep_push_rows_bf16(dy, token, dst_rank, dst_row, buffer.region("recv_x"))
         buffer.barrier()
         check_calls(buffer)
