@@ -13,7 +13,7 @@ Both sides write bf16 (fp32 weight-gradient output is timed separately, "wgrad f
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
 torch's interleaved in rounds so clock drift hits both alike.
 
-    python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead]
+    python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
 """
 from __future__ import annotations
 
@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every kernel variant (config)")
     parser.add_argument("--launch-overhead", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default=None, help="comma-separated GEMM labels to run (e.g. wgrad1), for profilers")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -159,6 +160,8 @@ def main() -> None:
             sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
             cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden)]
             for label, kind, d1, d2 in cases:
+                if args.only and label not in args.only.split(","):
+                    continue
                 out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
                 kind = "tn" if kind == "tn32" else kind
                 ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
