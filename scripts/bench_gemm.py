@@ -151,7 +151,7 @@ def main() -> None:
     header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
               f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
     if args.sweep:
-        header += "  sweep ms: block_n[a=async store]"
+        header += "  sweep ms: block_n[a=async store, t=TMA store]"
     lines = [header]
     print(header, flush=True)
     for model in args.models.split(","):
@@ -169,7 +169,7 @@ def main() -> None:
                 line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
                         f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
                 if swept:
-                    line += "  " + " ".join(f"{c.block_n}{'a' if c.async_store else ''}:{ms:.3f}" for c, ms in swept.items())
+                    line += "  " + " ".join(f"{c.label}:{ms:.3f}" for c, ms in swept.items())
                 lines.append(line)
                 print(line, flush=True)
     if args.launch_overhead:

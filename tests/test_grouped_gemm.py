@@ -60,7 +60,7 @@ def _ref_m_grouped(a, b, sizes, nn: bool):
 
 
 def _config_id(config) -> str:
-    return f"bn{config.block_n}{'_async' if config.async_store else ''}"
+    return f"bn{config.label}"
 
 
 M_CONFIGS = m_grouped_bf16.all_configs()

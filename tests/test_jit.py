@@ -28,13 +28,10 @@ requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def all_kernels():
     """(label, builder) for every variant the launchers can choose."""
     out = []
-    def tag(config):
-        return f"{config.block_n}{'_async' if config.async_store else ''}"
-
     for config in m_grouped_bf16.all_configs():
         for mn_major in (False, True):
             for gather in (False, True):
-                out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{tag(config)}{'_gather' if gather else ''}",
+                out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{config.label}{'_gather' if gather else ''}",
                             lambda c=config, mn=mn_major, g=gather: m_grouped_bf16.get_kernel(c, mn, g)))
     for gather in (False, True):
         out.append((f"m_grouped_nt_swiglu{'_gather' if gather else ''}",
@@ -43,7 +40,7 @@ def all_kernels():
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):
                 for gather in ("", "a", "b"):  # which operand's rows are gathered
-                    out.append((f"k_grouped_{tag(config)}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
+                    out.append((f"k_grouped_{config.label}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
                                 f"{'_gather_' + gather if gather else ''}",
                                 lambda c=config, t=dtype, a=accumulate, g=gather:
                                 k_grouped_bf16.get_kernel(c, t, a, g == "a", g == "b")))

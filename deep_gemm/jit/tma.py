@@ -1,4 +1,4 @@
-"""Host-side TMA descriptors (`CUtensorMap`) for 2-D bf16 tensors with 128-byte swizzle."""
+"""Host-side TMA descriptors (`CUtensorMap`) for 2-D and 3-D bf16 tensors with 128-byte swizzle."""
 from __future__ import annotations
 
 import ctypes
@@ -15,12 +15,12 @@ _DTYPES = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode(dtype: torch.dtype, address: int, inner: int, outer: int, outer_stride_bytes: int,
-            box_inner: int, box_outer: int) -> bytes:
+def _encode(dtype: torch.dtype, address: int, dims: tuple, strides_bytes: tuple, box: tuple) -> bytes:
+    """dims and box innermost first; strides_bytes of every dimension but the innermost."""
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t  # some cuda-bindings versions reject plain ints here
     tensor_map = check(cu.cuTensorMapEncodeTiled(
-        _DTYPES[dtype], 2, address, [u64(inner), u64(outer)], [u64(outer_stride_bytes)],
-        [u32(box_inner), u32(box_outer)], [u32(1), u32(1)],
+        _DTYPES[dtype], len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides_bytes],
+        [u32(b) for b in box], [u32(1)] * len(dims),
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -36,4 +36,15 @@ def make_tma_2d_desc(t: torch.Tensor, rows: int, cols: int, box_cols: int, box_r
     on these arguments, so re-encoding the same buffer in the next step costs a dict lookup.
     """
     assert box_cols * t.element_size() == 128
-    return _encode(t.dtype, t.data_ptr(), cols, rows, cols * t.element_size(), box_cols, box_rows)
+    return _encode(t.dtype, t.data_ptr(), (cols, rows), (cols * t.element_size(),), (box_cols, box_rows))
+
+
+def make_tma_3d_desc(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
+    """The CUtensorMap of a contiguous ``[G, rows, cols]`` tensor `t`, boxes of
+    ``[1, box_rows, box_cols]`` (`box_cols` * element size = 128 bytes, swizzled). Stores
+    through it are clipped at every dimension's end, so a box never spills into the next
+    matrix of the batch."""
+    assert box_cols * t.element_size() == 128 and t.dim() == 3 and t.is_contiguous()
+    g, rows, cols = t.shape
+    row_bytes = cols * t.element_size()
+    return _encode(t.dtype, t.data_ptr(), (cols, rows, g), (row_bytes, rows * row_bytes), (box_cols, box_rows, 1))

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <type_traits>
+#include <cuda.h>
 #include "../ptx/tma.cuh"
 #include "../ptx/utils.cuh"
 
@@ -146,6 +147,56 @@ __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2]
         }
         if (thread < 64)
             ptx::bulk_commit_group();
+    }
+}
+
+// Shared memory one warpgroup needs for `store_tile_tma_bf16`: two buffers of 64 rows x 128
+// bytes (64 bf16 columns), in the 128-byte swizzle of the tensor map (1024-byte aligned).
+struct SwizzledStagingBF16 {
+    static constexpr uint32_t kChunkN = 64;
+    static constexpr uint32_t kBufferBytes = 64 * 128;
+    static constexpr uint32_t kBytesPerWarpgroup = 2 * kBufferBytes;
+};
+
+// Asynchronous epilogue through tensor stores: each 64-column chunk of the warpgroup's
+// 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at once land
+// on different banks), then one 3-D TMA store of `desc` at (n, m, g) drains it; the hardware
+// clips rows and columns past the tensor's ends. The two buffers alternate, so a chunk is
+// written while the previous one is being stored, and the last stores overlap the next
+// tile's MMAs. Thread 0 of the warpgroup issues the stores: call `store_rows_async_drain`
+// before the kernel exits.
+template <uint32_t BLOCK_N>
+__device__ __forceinline__ void store_tile_tma_bf16(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
+                                                    uint32_t barrier_id, const CUtensorMap* desc,
+                                                    uint32_t n, uint32_t m, uint32_t g) {
+    using Layout = SwizzledStagingBF16;
+    static_assert(BLOCK_N % Layout::kChunkN == 0);
+    const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
+    const uint32_t row = (thread / 32) * 16 + lane / 4, col_bytes = (lane % 4) * 4;
+
+    #pragma unroll
+    for (uint32_t chunk = 0; chunk < BLOCK_N / Layout::kChunkN; ++chunk) {
+        uint8_t* buffer = staging + (chunk % 2) * Layout::kBufferBytes;
+        if (thread == 0)  // the store that last read this buffer (two chunks ago) is done with it
+            ptx::bulk_wait_group_read<1>();
+        ptx::named_barrier_sync(barrier_id, 128);
+
+        #pragma unroll
+        for (uint32_t j = 0; j < Layout::kChunkN / 8; ++j) {  // j: the 16-byte unit of the row
+            const uint32_t i = (chunk * Layout::kChunkN / 8 + j) * 4;
+            #pragma unroll
+            for (uint32_t half = 0; half < 2; ++half) {
+                const uint32_t r = row + half * 8;
+                ptx::st_shared_u32(buffer + r * 128 + ((j ^ (r % 8)) * 16) + col_bytes,
+                                   ptx::pack_bf16x2(acc[i + half * 2], acc[i + half * 2 + 1]));
+            }
+        }
+        ptx::fence_view_async_shared();  // the tensor store reads through the async proxy
+        ptx::named_barrier_sync(barrier_id, 128);
+        if (thread == 0) {
+            ptx::tma_store_3d(desc, buffer, n + chunk * Layout::kChunkN, m, g);
+            ptx::bulk_commit_group();
+        }
     }
 }
 

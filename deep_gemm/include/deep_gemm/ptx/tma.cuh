@@ -1,5 +1,5 @@
 #pragma once
-// Bulk tensor copies (TMA) from global to shared memory, completing on an mbarrier.
+// Bulk tensor copies (TMA) between global and shared memory, and 1-D bulk stores.
 #include <cuda.h>
 #include <cstdint>
 #include "barrier.cuh"
@@ -37,6 +37,15 @@ __device__ __forceinline__ void bulk_store(T* dst, const void* smem_src, uint32_
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;\n"
                      :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
     }
+}
+
+// Stores the shared-memory box of `desc` at (c0, c1, c2) (innermost first) to global memory;
+// parts outside the tensor are not written. Tracked like bulk_store (bulk groups, per thread).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* desc, const void* smem_src,
+                                             int32_t c0, int32_t c1, int32_t c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit_group() {
