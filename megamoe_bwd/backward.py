@@ -107,10 +107,12 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         with on_side:  # dl1[e] = dz_e^T @ x_e
             x_rows, x_index = moe_forward_module.routed_rows(x, layout)  # a copy overlaps the dx GEMM
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
+            del x_rows  # back to the side stream's pool now: only later side-stream work can reuse it
 
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
         dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+        del dxs
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
                                     .view_as(layout.slot_row), 0.0)
     finally:  # join even on an error, before the side stream's inputs can be freed
