@@ -44,7 +44,7 @@ def make_config(block_n: int, async_store: bool, epilogue_bytes: int, tma_store:
 
 
 def swizzled_staging_bytes() -> int:
-    """Mirrors epilogue::SwizzledStagingBF16: two warpgroups x two 64-row x 128-byte buffers."""
+    """Mirrors epilogue::SwizzledStaging: two warpgroups x two 64-row x 128-byte buffers."""
     return 2 * 2 * 64 * 128
 
 

@@ -20,8 +20,8 @@ _OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: bool = False,
                           tma_store: bool = False) -> GemmConfig:
     if tma_store:
-        if out_dtype != torch.bfloat16 or async_store:
-            raise ValueError("the TMA-store epilogue writes bf16 and excludes async_store")
+        if async_store:
+            raise ValueError("tma_store and async_store exclude each other")
         return make_config(block_n, False, swizzled_staging_bytes(), tma_store=True)
     staging = row_staging_bytes(block_n, out_dtype.itemsize) if async_store else 0
     return make_config(block_n, async_store, staging)
@@ -41,16 +41,14 @@ def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
 
 def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
     """Every variant a caller may pass as `config` for this output dtype."""
-    tma = [make_k_grouped_config(block_n, out_dtype, tma_store=True) for block_n in _BLOCK_NS] \
-        if out_dtype == torch.bfloat16 else []
-    return [make_k_grouped_config(block_n, out_dtype, async_store) for block_n in _BLOCK_NS
-            for async_store in (False, True)] + tma
+    return [make_k_grouped_config(block_n, out_dtype, async_store, tma_store) for block_n in _BLOCK_NS
+            for async_store, tma_store in ((False, False), (True, False), (False, True))]
 
 
 def kernel_config(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
-    """The variant that runs: accumulating calls of a TMA-store config drain through the bulk
-    copies' reduce-add instead (tensor stores only overwrite)."""
-    if config.tma_store and accumulate:
+    """The variant that runs: bf16 accumulating calls of a TMA-store config drain through the
+    row copies' reduce-add instead (the tensor reduce-add is used for fp32 only)."""
+    if config.tma_store and accumulate and out_dtype != torch.float32:
         return make_k_grouped_config(config.block_n, out_dtype, async_store=True)
     return config
 
@@ -139,7 +137,8 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     # With a row index the kernel reads that operand directly; its tensor map goes unused.
     tma_a = make_tma_2d_desc(a, a.shape[0], m, 64, BLOCK_K)
     tma_b = make_tma_2d_desc(b, b.shape[0], n, 64, BLOCK_K)
-    tma_d = make_tma_3d_desc(d, 64, 64) if kernel_config(config, d.dtype, accumulate).tma_store else bytes(128)
+    tma_d = (make_tma_3d_desc(d, 128 // d.element_size(), 64) if kernel_config(config, d.dtype, accumulate).tma_store
+             else bytes(128))
     pointers = [d.data_ptr(), group_offsets.data_ptr(), 0 if a_row_index is None else a_row_index.data_ptr(),
                 0 if b_row_index is None else b_row_index.data_ptr(), a.data_ptr(), b.data_ptr()]
     params = pack_params([tma_a, tma_b, tma_d], pointers, [m, n, rows, num_groups, a.shape[0], b.shape[0]])

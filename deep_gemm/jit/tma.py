@@ -1,4 +1,4 @@
-"""Host-side TMA descriptors (`CUtensorMap`) for 2-D and 3-D bf16 tensors with 128-byte swizzle."""
+"""Host-side TMA descriptors (`CUtensorMap`) for 2-D and 3-D bf16 / fp32 tensors with 128-byte swizzle."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +11,7 @@ from .runtime import check
 
 _DTYPES = {
     torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    torch.float32: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
 }
 
 

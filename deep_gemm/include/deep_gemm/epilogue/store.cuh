@@ -150,29 +150,30 @@ __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2]
     }
 }
 
-// Shared memory one warpgroup needs for `store_tile_tma_bf16`: two buffers of 64 rows x 128
-// bytes (64 bf16 columns), in the 128-byte swizzle of the tensor map (1024-byte aligned).
-struct SwizzledStagingBF16 {
-    static constexpr uint32_t kChunkN = 64;
+// Shared memory one warpgroup needs for `store_tile_tma`: two buffers of 64 rows x 128 bytes
+// (64 bf16 or 32 fp32 columns), in the 128-byte swizzle of the tensor map (1024-byte aligned).
+template <typename OutT>
+struct SwizzledStaging {
+    static constexpr uint32_t kChunkN = 128 / sizeof(OutT);
     static constexpr uint32_t kBufferBytes = 64 * 128;
     static constexpr uint32_t kBytesPerWarpgroup = 2 * kBufferBytes;
 };
 
-// Asynchronous epilogue through tensor stores: each 64-column chunk of the warpgroup's
-// 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at once land
-// on different banks), then one 3-D TMA store of `desc` at (n, m, g) drains it; the hardware
-// clips rows and columns past the tensor's ends. The two buffers alternate, so a chunk is
-// written while the previous one is being stored, and the last stores overlap the next
-// tile's MMAs. Thread 0 of the warpgroup issues the stores: call `store_rows_async_drain`
-// before the kernel exits.
-template <uint32_t BLOCK_N>
-__device__ __forceinline__ void store_tile_tma_bf16(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
-                                                    uint32_t barrier_id, const CUtensorMap* desc,
-                                                    uint32_t n, uint32_t m, uint32_t g) {
-    using Layout = SwizzledStagingBF16;
+// Asynchronous epilogue through tensor stores: each 128-byte-wide column chunk of the
+// warpgroup's 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at
+// once are spread over the banks), then one 3-D TMA store of `desc` at (n, m, g) drains it
+// (a reduce-add with `kAccumulate`, fp32 only); the hardware clips rows and columns past the
+// tensor's ends. The two buffers alternate, so a chunk is written while the previous one
+// drains, and the last stores overlap the next tile's MMAs. Thread 0 of the warpgroup issues
+// the stores: call `store_rows_async_drain` before the kernel exits.
+template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
+__device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging, uint32_t barrier_id,
+                                               const CUtensorMap* desc, uint32_t n, uint32_t m, uint32_t g) {
+    using Layout = SwizzledStaging<OutT>;
     static_assert(BLOCK_N % Layout::kChunkN == 0);
+    static_assert(not kAccumulate or std::is_same_v<OutT, float>, "tensor reduce-add is used for fp32 only");
     const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
-    const uint32_t row = (thread / 32) * 16 + lane / 4, col_bytes = (lane % 4) * 4;
+    const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
 
     #pragma unroll
     for (uint32_t chunk = 0; chunk < BLOCK_N / Layout::kChunkN; ++chunk) {
@@ -182,19 +183,24 @@ __device__ __forceinline__ void store_tile_tma_bf16(const float (&acc)[BLOCK_N /
         ptx::named_barrier_sync(barrier_id, 128);
 
         #pragma unroll
-        for (uint32_t j = 0; j < Layout::kChunkN / 8; ++j) {  // j: the 16-byte unit of the row
+        for (uint32_t j = 0; j < Layout::kChunkN / 8; ++j) {  // j: a group of 8 columns
             const uint32_t i = (chunk * Layout::kChunkN / 8 + j) * 4;
+            const uint32_t byte = (j * 8 + col) * static_cast<uint32_t>(sizeof(OutT));  // within the 128-byte row
             #pragma unroll
             for (uint32_t half = 0; half < 2; ++half) {
                 const uint32_t r = row + half * 8;
-                ptx::st_shared_u32(buffer + r * 128 + ((j ^ (r % 8)) * 16) + col_bytes,
-                                   ptx::pack_bf16x2(acc[i + half * 2], acc[i + half * 2 + 1]));
+                uint8_t* ptr = buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
+                const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
+                if constexpr (std::is_same_v<OutT, float>)
+                    ptx::st_shared_v2(ptr, x, y);
+                else
+                    ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
             }
         }
         ptx::fence_view_async_shared();  // the tensor store reads through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
         if (thread == 0) {
-            ptx::tma_store_3d(desc, buffer, n + chunk * Layout::kChunkN, m, g);
+            ptx::tma_store_3d<kAccumulate>(desc, buffer, n + chunk * Layout::kChunkN, m, g);
             ptx::bulk_commit_group();
         }
     }

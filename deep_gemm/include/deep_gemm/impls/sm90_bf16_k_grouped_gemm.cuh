@@ -20,7 +20,7 @@ namespace deep_gemm {
 struct KGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows} (unused with kGatherA)
     CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows} (unused with kGatherB)
-    CUtensorMap tensor_map_d;  // D [G, M, N] bf16; box {64 (N), 64 (M), 1} (kTmaStore only)
+    CUtensorMap tensor_map_d;  // D [G, M, N]; box {128 bytes of N, 64 (M), 1} (kTmaStore only)
     void* d;                   // [G, M, N], OutT
     const int* group_offsets;  // [G + 1]
     const int64_t* a_row_index;  // [rows] with kGatherA, else unused
@@ -32,15 +32,15 @@ struct KGroupedGemmParams {
 
 // kAsyncStore: the epilogue drains through bulk copies (reduce-adds with kAccumulate) that
 // overlap the next tile's MMAs (epilogue::store_rows_async) instead of direct stores.
-// kTmaStore (bf16, not accumulating): through one tensor store per 64-column chunk instead
-// (epilogue::store_tile_tma_bf16).
+// kTmaStore: through one tensor store (fp32: or reduce-add) per 128-byte column chunk instead
+// (epilogue::store_tile_tma); bf16 accumulation is not among its variants.
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kTmaStore,
           bool kGatherA, bool kGatherB>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
-    static_assert(not kTmaStore or (std::is_same_v<OutT, __nv_bfloat16> and not kAccumulate and not kAsyncStore));
-    constexpr uint32_t kStagingBytes = kTmaStore   ? epilogue::SwizzledStagingBF16::kBytesPerWarpgroup
+    static_assert(not kTmaStore or (not kAsyncStore and (std::is_same_v<OutT, float> or not kAccumulate)));
+    constexpr uint32_t kStagingBytes = kTmaStore   ? epilogue::SwizzledStaging<OutT>::kBytesPerWarpgroup
                                        : kAsyncStore ? epilogue::RowStaging<BLOCK_N, OutT>::kBytesPerWarpgroup : 0;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
@@ -142,7 +142,8 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
             const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
             OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + min(row, p.m)) * p.n + tile.n_begin;
             if constexpr (kTmaStore)  // barrier 1 is the zero-fill's; 2 and 3 are per warpgroup
-                epilogue::store_tile_tma_bf16<BLOCK_N>(acc, staging, 2 + wg, &p.tensor_map_d, tile.n_begin, row, tile.group);
+                epilogue::store_tile_tma<BLOCK_N, OutT, kAccumulate>(acc, staging, 2 + wg, &p.tensor_map_d, tile.n_begin,
+                                                                     row, tile.group);
             else if constexpr (kAsyncStore)
                 epilogue::store_rows_async<BLOCK_N, OutT, kAccumulate>(acc, staging, 2 + wg, d, p.n, valid_rows, p.n - tile.n_begin);
             else

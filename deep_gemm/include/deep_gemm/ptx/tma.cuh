@@ -39,13 +39,21 @@ __device__ __forceinline__ void bulk_store(T* dst, const void* smem_src, uint32_
     }
 }
 
-// Stores the shared-memory box of `desc` at (c0, c1, c2) (innermost first) to global memory;
-// parts outside the tensor are not written. Tracked like bulk_store (bulk groups, per thread).
+// Stores the shared-memory box of `desc` at (c0, c1, c2) (innermost first) to global memory,
+// or with `kReduceAdd` adds it element-wise there (fp32 only here); parts outside the tensor
+// are not written. Tracked like bulk_store (bulk groups, per thread).
+template <bool kReduceAdd>
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* desc, const void* smem_src,
                                              int32_t c0, int32_t c1, int32_t c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
-                 :: "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
+    if constexpr (kReduceAdd) {
+        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                     :: "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                     :: "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2)
+                     : "memory");
+    }
 }
 
 __device__ __forceinline__ void bulk_commit_group() {
