@@ -29,14 +29,11 @@ def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: boo
 
 @functools.lru_cache(maxsize=None)
 def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
-    """The variant the launcher picks for output width `n` and output dtype. bf16 outputs drain
-    through tensor TMA stores that overlap the next tile's MMAs (row-wise bulk copies measured
-    10-30% faster than direct stores on an H200); fp32 outputs, whose direct stores fill whole
-    sectors, stay synchronous (the asynchronous variant measured slower)."""
-    block_n = 256 if n > 128 else 128
-    if out_dtype == torch.bfloat16:
-        return make_k_grouped_config(block_n, out_dtype, tma_store=True)
-    return make_k_grouped_config(block_n, out_dtype)
+    """The variant the launcher picks for output width `n` and output dtype: outputs drain
+    through tensor TMA stores that overlap the next tile's MMAs, measured the fastest variant
+    on an H200 for bf16 (5-15% over row bulk copies) and fp32 (5-20% over direct stores, which
+    beat the row bulk copies there)."""
+    return make_k_grouped_config(256 if n > 128 else 128, out_dtype, tma_store=True)
 
 
 def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
