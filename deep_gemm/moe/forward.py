@@ -33,6 +33,8 @@ class MegaMoEHandle:
     It keeps the routing layout and GEMM1's output `h` (``[T * K, 2I]`` bf16) of every routed
     slot: ``4 * I + 28`` bytes per (token, slot), e.g. 3100 bytes at I = 768. `x` is the
     caller's tensor (not copied); the SwiGLU output is recomputed from `h` in the backward.
+    `mega_moe_backward` consumes the handle (it overwrites `h` with its gradient and sets it to
+    None) unless called with ``keep_handle=True``.
     """
 
     layout: RoutingLayout
