@@ -21,7 +21,7 @@ import deep_gemm  # noqa: E402
 import deep_gemm.moe.forward as moe_forward_module  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
-from deep_gemm.testing import emulate  # noqa: E402
+from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
 from emulated_kernels import patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, grouped_mm_moe, mega_moe, mega_moe_backward  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
@@ -331,17 +331,7 @@ def test_cuda_graph_capture():
         y, handle = deep_gemm.bf16_mega_moe(*args, training=True)
         return (y, *mega_moe_backward(p["dy"], p["l1"], p["l2"], handle))
 
-    eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = eager_and_graph_replay(step)
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from deep_gemm.testing import eager_and_graph_replay  # noqa: E402
 from deep_gemm.moe.symm import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: E402
 from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
                            launch, make_deep_ep_buffer)
@@ -169,17 +170,7 @@ def _check_graph_capture(rank: int, world: int, device: torch.device) -> None:
         y.backward(dy)
         return [y.detach()] + [t.grad for t in leaves]
 
-    eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture requires
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = eager_and_graph_replay(step)
     for name, a, b in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), eager, captured):
         if not torch.equal(a, b):
             raise AssertionError(f"rank {rank}: CUDA-graph replay of the NVLink path differs in {name}")
