@@ -1,7 +1,8 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-Version 0 runs the grouped GEMMs, with the token-row gather fused into their loads and SwiGLU
-into GEMM1's epilogue, and a separate combine kernel. No host sync.
+The grouped GEMMs read the token rows from a routed-order copy (or gather them in their loads,
+FUSED_GATHER), SwiGLU runs in GEMM1's epilogue, and a separate kernel does the weighted
+combine. No host sync.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DIM_MULTIPLE = 64
 # Gather token rows inside the GEMMs' loads (True) or into permuted copies first (False), and
 # compute SwiGLU in GEMM1's epilogue (True, when I % 128 == 0) or in a separate pass (False);
 # both paths are kept so that benchmarks can compare them. Measured on an H200 (30B, fwd+bwd):
-# copies 7.67 ms with 3.69 GB peak, gathers 8.35 ms with 2.69 GB (the gathering weight-gradient
+# copies 7.87 ms with 2.25 GB peak, gathers 8.29 ms with 2.13 GB (the gathering weight-gradient
 # GEMMs are the slow part; docs/PERF.md). The copies are the default.
 FUSED_GATHER = False
 FUSED_SWIGLU = True
@@ -146,7 +147,7 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
           or not y.is_contiguous()):
         raise ValueError(f"y must be a contiguous bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
     check_expert_ids(topk_idx, num_experts, check_ids)
-    x = x.contiguous()  # the GEMMs gather its rows with TMA
+    x = x.contiguous()  # its rows are copied or gathered as dense rows
     layout = build_routing_layout(topk_idx, topk_weights, num_experts)
     h = moe_forward(x, layout, topk_weights, l1, l2, y)
     return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)

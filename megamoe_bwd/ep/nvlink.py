@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls
-from deep_gemm.moe.forward import MegaMoEHandle, check_moe_inputs, moe_forward
+from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_forward
 from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
 from deep_gemm.moe.symm import SymmBuffer
@@ -101,14 +101,12 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             ``rank * E_local + j``.
 
     Collective: every rank of the group calls it for the same layer, in the same order.
-    Expert ids outside ``[-1, E)`` fail an asynchronous device assert.
+    Expert ids outside ``[-1, E)`` fail an asynchronous device assert (a ValueError on the CPU).
     """
     num_tokens, hidden, _, num_local, num_topk = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
     buffer.check_fits(num_tokens, num_topk, hidden)
     if num_local != buffer.num_local_experts:
         raise ValueError(f"l1 holds {num_local} experts; the buffer splits {buffer.num_experts} experts over "
                          f"{buffer.world} ranks ({buffer.num_local_experts} each)")
-    if x.is_cuda:
-        ok = ((topk_idx >= -1) & (topk_idx < buffer.num_experts)).all()
-        torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {buffer.num_experts})")
+    check_expert_ids(topk_idx, buffer.num_experts, sync=not x.is_cuda)
     return _NvlinkMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer)
