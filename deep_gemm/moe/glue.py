@@ -118,13 +118,12 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     (contiguous, shaped like h and d_act); they may be h and d_act themselves (each element is
     read before it is overwritten, by the same thread).
     """
-    _check_bf16(h=h, d_act=d_act)
-    rows, inter = d_act.shape
     dz = torch.empty_like(h) if dz is None else dz
     act_weighted = torch.empty_like(d_act) if act_weighted is None else act_weighted
-    for name, t, like in (("dz", dz, h), ("act_weighted", act_weighted, d_act), ("h", h, h), ("d_act", d_act, d_act)):
-        if t.shape != like.shape or t.dtype != like.dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}")
+    _check_bf16(h=h, d_act=d_act, dz=dz, act_weighted=act_weighted)
+    if dz.shape != h.shape or act_weighted.shape != d_act.shape:
+        raise ValueError(f"dz must be shaped like h {tuple(h.shape)}, act_weighted like d_act {tuple(d_act.shape)}")
+    rows, inter = d_act.shape
     row_dw = torch.empty(rows, device=h.device, dtype=torch.float32)
     if rows:
         _launch("moe_swiglu_bwd", [h.data_ptr(), d_act.data_ptr(), layout.row_weight.data_ptr(), dz.data_ptr(),

@@ -157,7 +157,8 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     offset = getattr(handle, "offset", 0)
     if handle.buffer_ptrs[rank] + offset != storage.data_ptr():
         raise RuntimeError("symmetric memory: this rank's buffer is not where the handle says")
-    # Torch versions differ on whether get_buffer adds the allocation's offset itself.
+    # Whether get_buffer adds the allocation's offset itself is not documented: this rank's own
+    # mapping tells.
     own = handle.get_buffer(rank, (nbytes,), torch.uint8, 0).data_ptr()
     if own not in (storage.data_ptr(), storage.data_ptr() - offset):
         raise RuntimeError("symmetric memory: get_buffer does not map this rank's buffer")
