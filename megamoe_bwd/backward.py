@@ -85,13 +85,13 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout)
     d_act = dy.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
-    if not keep_handle:
-        handle.h = None
-        torch.autograd.graph.increment_version(h)  # dz is written over it
-    h = h.contiguous()
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
+    h_dense = h.contiguous()
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h_dense, d_act, layout, dz=None if keep_handle else h_dense,
                                                    act_weighted=d_act)
-    del d_act, h
+    if not keep_handle:  # dz was written over h (an invalid argument above leaves the handle intact)
+        handle.h = None
+        torch.autograd.graph.increment_version(h)
+    del d_act, h, h_dense
 
     # dl2[e] = dy_e^T @ (w * act)_e first, on this stream, so that its operands are freed before
     # dx's rows are allocated (measured peak with both alive: 0.4 GB above the baseline's at 30B).
