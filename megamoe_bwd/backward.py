@@ -4,7 +4,7 @@ dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the we
 activation w * a and the routing-weight gradient <dA, a> -> dl2 = dy[rows]^T @ (w * a)
 (k-grouped) -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots, with
 dl1 = dz^T @ x[rows] (k-grouped) on a side stream beside the last two. Token rows of dy and x
-are copied to routed order first, or gathered by the GEMMs' loads (FUSED_GATHER).
+are copied to routed order first, or gathered by the GEMMs' loads (GATHER_ROWS["backward"]).
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     side = _side_stream(x.device)
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
-    dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout)
+    gather = moe_forward_module.GATHER_ROWS["backward"]
+    dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout, gather)
     d_act = dy.new_empty(layout.num_slots, l2.shape[2])
     m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, d_act, offsets, a_row_index=dy_index)  # dy @ l2[e]
     h_dense = h.contiguous()
@@ -105,7 +106,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         side.wait_stream(torch.cuda.current_stream(x.device))
     try:
         with on_side:  # dl1[e] = dz_e^T @ x_e
-            x_rows, x_index = moe_forward_module.routed_rows(x, layout)  # a copy overlaps the dx GEMM
+            x_rows, x_index = moe_forward_module.routed_rows(x, layout, gather)  # a copy overlaps the dx GEMM
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
             del x_rows  # back to the side stream's pool now: only later side-stream work can reuse it
 

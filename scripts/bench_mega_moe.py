@@ -3,9 +3,10 @@
 For each standard shape (DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
 above the inputs, for
-    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with the
-             token rows copied before the GEMMs and, as "ours, fused gather", gathered by
-             the GEMMs' loads
+    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with
+             token rows gathered by the forward GEMM's loads and copied before the backward
+             GEMMs (the default, deep_gemm.moe.forward.GATHER_ROWS); as "ours, rows copied"
+             and "ours, rows gathered", one way in both passes
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -153,7 +154,8 @@ def main() -> None:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, backend="nccl")
         return
 
-    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, fused gather": mega_moe}
+    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe}
+    default_gather = dict(moe_forward_module.GATHER_ROWS)
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -170,9 +172,10 @@ def main() -> None:
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             torch_total = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
-                moe_forward_module.FUSED_GATHER = name == "ours, fused gather"
+                if name in ("ours, rows copied", "ours, rows gathered"):
+                    moe_forward_module.GATHER_ROWS = dict.fromkeys(default_gather, name.endswith("gathered"))
                 fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
-                moe_forward_module.FUSED_GATHER = False
+                moe_forward_module.GATHER_ROWS = dict(default_gather)
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<19} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "

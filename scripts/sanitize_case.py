@@ -35,7 +35,7 @@ for dtype in (torch.float32, torch.bfloat16):
 
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
 for fused_gather in (False, True):
-    moe_forward_module.FUSED_GATHER = fused_gather
+    moe_forward_module.GATHER_ROWS = {"forward": fused_gather, "backward": fused_gather}
     y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
     mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 torch.cuda.synchronize()

@@ -47,7 +47,7 @@ def emulated_gemms(monkeypatch):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_gather_swiglu", "separate_passes"])
 @pytest.mark.parametrize("T,H,I,E,K,routing,empty", ORCHESTRATION_CASES)
 def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused):
-    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused)
+    monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused, "backward": fused})
     monkeypatch.setattr(moe_forward_module, "FUSED_SWIGLU", fused)
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
@@ -202,7 +202,7 @@ def _accuracy(T, H, I, E, K, routing, empty):
 @pytest.mark.parametrize("fused_gather", [False, True], ids=["rows_copied", "rows_gathered"])
 @pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty, fused_gather):
-    monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
+    monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused_gather, "backward": fused_gather})
     for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
         assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
 
@@ -214,7 +214,7 @@ def test_gathered_rows_equal_copied_rows(monkeypatch, label, T, H, I, E, K, rout
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", routing=routing, empty_slot_frac=empty)
     results = []
     for fused_gather in (False, True):
-        monkeypatch.setattr(moe_forward_module, "FUSED_GATHER", fused_gather)
+        monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused_gather, "backward": fused_gather})
         y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
         results.append((y, *mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)))
     for name, copied, gathered in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), *results):
@@ -272,6 +272,32 @@ def test_gather_kernel_copies_the_routed_rows():
     routed = int(layout.offsets[-1])
     src = torch.randn(600, 1024, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(moe_gather_rows_bf16(src, layout)[:routed], emulate.moe_gather_rows(src, layout)[:routed])
+
+
+@requires_sm90
+@pytest.mark.parametrize("T,K,E,routing,empty", [
+    (1, 1, 1, "uniform", 0.0),
+    (7, 3, 5, "uniform", 0.3),
+    (600, 6, 16, "uniform", 0.2),
+    (3000, 8, 128, "skewed", 0.05),  # one hot expert
+    (16384, 8, 128, "uniform", 0.0),  # 30B: many chunks
+    (5000, 8, 1024, "uniform", 0.1),  # the most experts the kernels sort
+    (40, 4, 8, "uniform", 1.0),  # every slot empty
+    (0, 4, 8, "uniform", 0.0),
+])
+def test_routing_kernels_build_the_torch_layout(T, K, E, routing, empty):
+    """Our counting sort gives the stable argsort's layout, element for element."""
+    from deep_gemm.moe.glue import moe_routing_layout
+    from deep_gemm.moe.layout import build_routing_layout_torch
+    p = make_moe_inputs(T, 64, 64, E, K, device="cuda", routing=routing, empty_slot_frac=empty)
+    idx = p["topk_idx"]
+    if T > 1:  # ids past E are empty slots as well (the caller reports them)
+        idx = torch.where(torch.rand(idx.shape, device="cuda") < 0.01, E + 3, idx)
+    ours = moe_routing_layout(idx, p["topk_weights"], E)
+    ref = build_routing_layout_torch(idx, p["topk_weights"], E)
+    for name in ("offsets", "row_token", "row_weight", "slot_row", "slot_valid"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
 
 
 @requires_sm90

@@ -1,8 +1,7 @@
 """Mega MoE forward on one GPU, bf16: route -> GEMM1 -> SwiGLU -> GEMM2 -> weighted combine.
 
-The grouped GEMMs read the token rows from a routed-order copy (or gather them in their loads,
-FUSED_GATHER), SwiGLU runs in GEMM1's epilogue, and a separate kernel does the weighted
-combine. No host sync.
+GEMM1 gathers the token rows in its loads (or reads a routed-order copy, see GATHER_ROWS),
+SwiGLU runs in its epilogue, and a separate kernel does the weighted combine. No host sync.
 """
 from __future__ import annotations
 
@@ -18,12 +17,14 @@ from .layout import RoutingLayout, build_routing_layout
 # H and I must be multiples of this (the data-gradient GEMMs contract over H and 2I in 64-wide blocks).
 DIM_MULTIPLE = 64
 
-# Gather token rows inside the GEMMs' loads (True) or into permuted copies first (False), and
-# compute SwiGLU in GEMM1's epilogue (True, when I % 128 == 0) or in a separate pass (False);
-# both paths are kept so that benchmarks can compare them. Measured on an H200 (30B, fwd+bwd):
-# copies 7.87 ms with 2.25 GB peak, gathers 8.29 ms with 2.13 GB (the gathering weight-gradient
-# GEMMs are the slow part; docs/PERF.md). The copies are the default.
-FUSED_GATHER = False
+# Per pass, whether the GEMMs gather token rows inside their loads (True) or read permuted
+# copies made first (False); both paths are kept so that benchmarks can compare them. Measured
+# on an H200 (fwd / bwd ms, docs/PERF.md session 4): gathering is faster in the forward (30B
+# 2.83 vs 3.08, 235B 9.46 vs 9.72: GEMM1 alone reads x's rows) and slower in the backward (30B
+# 5.21 vs 5.11, 235B 20.25 vs 18.35: dy's rows feed two GEMMs, and the gathering
+# weight-gradient GEMMs are slow), hence this default.
+GATHER_ROWS = {"forward": True, "backward": False}
+# SwiGLU in GEMM1's epilogue (when 2I % 256 == 0) or in a separate pass.
 FUSED_SWIGLU = True
 
 
@@ -86,11 +87,11 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, sync: bool) -> No
         torch._assert_async(ok, f"topk_idx has expert ids outside [-1, {num_experts})")
 
 
-def routed_rows(t: torch.Tensor, layout: RoutingLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def routed_rows(t: torch.Tensor, layout: RoutingLayout, gather: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(rows, row_index)`` for a GEMM operand holding token `t`'s routed rows: `t` itself with
-    the layout's row_token as index (gathered by the GEMM's loads) when FUSED_GATHER, else a
-    copy in routed order and no index."""
-    if FUSED_GATHER:
+    the layout's row_token as index (gathered by the GEMM's loads) when `gather`, else a copy in
+    routed order and no index."""
+    if gather:
         return t, layout.row_token
     return moe_gather_rows_bf16(t, layout), None
 
@@ -101,7 +102,7 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
     dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
-    a, index = routed_rows(x, layout)
+    a, index = routed_rows(x, layout, GATHER_ROWS["forward"])
     if FUSED_SWIGLU and two_inter % 256 == 0:
         act = x.new_empty(num_slots, two_inter // 2)
         m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)

@@ -1,5 +1,5 @@
 """Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh, ep_*.cuh):
-the routed-row copy, SwiGLU forward, SwiGLU backward with the routing-weight gradient, the
+the routing layout, the routed-row copy, SwiGLU forward, SwiGLU backward with the routing-weight gradient, the
 weighted combine, and the expert-parallel row push into other ranks' buffers. All bf16 with fp32 math, 16-byte accesses, no host sync
 (routed-row counts are read on the GPU), deterministic (no atomics)."""
 from __future__ import annotations
@@ -15,25 +15,34 @@ from .layout import RoutingLayout
 from .symm import PeerRegion
 
 
-# kernel (impls/<name>.cuh, entry <name>_impl) -> (parameter struct, threads per CTA, CTAs per SM)
+# kernel (entry <name>_impl in impls/<header>) -> (header, parameter struct, threads per CTA,
+# CTAs per SM; None: the launch gives the grid)
 _KERNELS = {
-    "moe_combine": ("MoECombineParams", 256, 8),
-    "moe_swiglu_fwd": ("MoESwiGLUFwdParams", 256, 8),
-    "moe_swiglu_bwd": ("MoESwiGLUBwdParams", 128, 16),
-    "moe_gather_rows": ("MoEGatherRowsParams", 256, 4),
-    "ep_push_rows": ("EpPushRowsParams", 256, 4),
+    "moe_routing_count": ("moe_routing_layout.cuh", "MoERoutingParams", 256, None),
+    "moe_routing_scan": ("moe_routing_layout.cuh", "MoERoutingParams", 1024, None),
+    "moe_routing_place": ("moe_routing_layout.cuh", "MoERoutingParams", 256, None),
+    "moe_combine": ("moe_combine.cuh", "MoECombineParams", 256, 8),
+    "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwdParams", 256, 8),
+    "moe_swiglu_bwd": ("moe_swiglu_bwd.cuh", "MoESwiGLUBwdParams", 128, 16),
+    "moe_gather_rows": ("moe_gather_rows.cuh", "MoEGatherRowsParams", 256, 4),
+    "ep_push_rows": ("ep_push_rows.cuh", "EpPushRowsParams", 256, 4),
 }
+# The routing kernels' warps each sort one chunk of slots; their per-warp key counters in shared
+# memory bound the experts (impls/moe_routing_layout.cuh).
+ROUTING_MAX_EXPERTS = 1024
+_ROUTING_WARPS_PER_CTA = 8
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str):
-    params_type, num_threads, _ = _KERNELS[name]
-    return build_kernel(f"{name}.cuh", params_type, f"{name}_impl", [num_threads], num_threads, 0)
+    header, params_type, num_threads, _ = _KERNELS[name]
+    return build_kernel(header, params_type, f"{name}_impl", [num_threads], num_threads, 0)
 
 
-def _launch(name: str, pointers: list[int], ints: list[int], device: int) -> None:
-    blocks_per_sm = _KERNELS[name][2]
-    _kernel(name).launch(pack_params([], pointers, ints), blocks_per_sm * get_num_sms(device), device)
+def _launch(name: str, pointers: list[int], ints: list[int], device: int, num_blocks: Optional[int] = None) -> None:
+    if num_blocks is None:
+        num_blocks = _KERNELS[name][3] * get_num_sms(device)
+    _kernel(name).launch(pack_params([], pointers, ints), num_blocks, device)
 
 
 def precompile_exchange_kernels() -> None:
@@ -58,6 +67,45 @@ def _check_bf16(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cuda or t.data_ptr() % 16:
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned bf16 CUDA tensor")
+
+
+def moe_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
+    """`deep_gemm.moe.build_routing_layout` by our counting-sort kernels (three launches, no
+    host sync): the same layout, element for element, as the PyTorch ops of
+    `build_routing_layout_torch`. topk_idx ``[T, K]`` int64 on a CUDA device (ids outside
+    ``[0, E)`` are empty slots), topk_weights ``[T, K]`` float, ``1 <= E <= ROUTING_MAX_EXPERTS``."""
+    if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or not topk_idx.is_cuda:
+        raise ValueError("topk_idx must be a 2-D int64 CUDA tensor")
+    if topk_weights.shape != topk_idx.shape or not topk_weights.is_floating_point():
+        raise ValueError("topk_weights must be a float tensor shaped like topk_idx")
+    if not 1 <= num_experts <= ROUTING_MAX_EXPERTS:
+        raise ValueError(f"the routing kernels sort 1 to {ROUTING_MAX_EXPERTS} experts, got {num_experts}")
+    check_cuda_devices(topk_idx=topk_idx, topk_weights=topk_weights)
+    (num_tokens, num_topk), device = topk_idx.shape, topk_idx.device
+    num_slots = num_tokens * num_topk
+    if num_slots >= 2**31:
+        raise ValueError(f"{num_slots} routed slots: the routing kernels index them with int32")
+    topk_idx = topk_idx.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    row_token = torch.empty(num_slots, dtype=torch.int64, device=device)
+    row_weight = torch.empty(num_slots, dtype=torch.float32, device=device)
+    slot_row = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device)
+    slot_valid = torch.empty(num_tokens, num_topk, dtype=torch.bool, device=device)
+    # Chunks of at least 256 slots, at most ~256 chunks: the scan stays short, each warp's walk too.
+    per_chunk = 32 * max(8, -(-num_slots // (32 * 256)))
+    num_chunks = -(-num_slots // per_chunk)
+    counts = torch.empty(max(num_chunks, 1), num_experts + 1, dtype=torch.int32, device=device)
+    pointers = [t.data_ptr() for t in (topk_idx, weights, counts, offsets, row_token, row_weight, slot_row, slot_valid)]
+    ints = [num_slots, num_topk, num_experts, per_chunk, num_chunks]
+    grid = -(-num_chunks // _ROUTING_WARPS_PER_CTA)
+    if num_slots:
+        _launch("moe_routing_count", pointers, ints, device.index, grid)
+    _launch("moe_routing_scan", pointers, ints, device.index, 1)  # with no slots: offsets all 0
+    if num_slots:
+        _launch("moe_routing_place", pointers, ints, device.index, grid)
+    return RoutingLayout(offsets=offsets, row_token=row_token, row_weight=row_weight, slot_row=slot_row,
+                         slot_valid=slot_valid)
 
 
 def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],

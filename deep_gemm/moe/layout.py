@@ -1,7 +1,7 @@
 """Routing layout: which routed row of the expert-sorted buffers holds which (token, slot).
 
-Built with GPU tensor ops and no host synchronisation: the number of routed rows is never
-read on the host, buffers are sized for all T * K slots and the rows past the last expert
+Built on the GPU by our counting-sort kernels (`glue.moe_routing_layout`), or by PyTorch ops
+on the CPU, with no host synchronisation: the number of routed rows is never read on the host, buffers are sized for all T * K slots and the rows past the last expert
 (empty `-1` slots) belong to no group, so the grouped GEMMs skip them.
 """
 from __future__ import annotations
@@ -36,7 +36,17 @@ class RoutingLayout:
 
 def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
     """Sorts the (token, slot) pairs by expert, stably (token order within an expert, so the
-    layout and every result built on it are deterministic)."""
+    layout and every result built on it are deterministic). topk_idx ``[T, K]`` int64 (ids
+    outside ``[0, E)`` are empty slots), topk_weights ``[T, K]`` float."""
+    from .glue import ROUTING_MAX_EXPERTS, moe_routing_layout  # (glue imports this module)
+
+    if topk_idx.is_cuda and 1 <= num_experts <= ROUTING_MAX_EXPERTS:
+        return moe_routing_layout(topk_idx, topk_weights, num_experts)
+    return build_routing_layout_torch(topk_idx, topk_weights, num_experts)
+
+
+def build_routing_layout_torch(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
+    """`build_routing_layout` with PyTorch ops (a stable argsort), on any device."""
     num_tokens, num_topk = topk_idx.shape
     # Out-of-range ids act as empty (and are reported). Contiguous: kernels index it flat.
     valid = ((topk_idx >= 0) & (topk_idx < num_experts)).contiguous()
