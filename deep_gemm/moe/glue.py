@@ -92,8 +92,8 @@ def moe_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_e
     row_weight = torch.empty(num_slots, dtype=torch.float32, device=device)
     slot_row = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device)
     slot_valid = torch.empty(num_tokens, num_topk, dtype=torch.bool, device=device)
-    # Chunks of at least 256 slots, at most ~256 chunks: the scan stays short, each warp's walk too.
-    per_chunk = 32 * max(8, -(-num_slots // (32 * 256)))
+    # Chunks of at least 256 slots, at most ~512 chunks: the scan stays short, each warp's walk too.
+    per_chunk = 32 * max(8, -(-num_slots // (32 * 512)))
     num_chunks = -(-num_slots // per_chunk)
     counts = torch.empty(max(num_chunks, 1), num_experts + 1, dtype=torch.int32, device=device)
     pointers = [t.data_ptr() for t in (topk_idx, weights, counts, offsets, row_token, row_weight, slot_row, slot_valid)]

@@ -13,6 +13,7 @@
 namespace deep_gemm {
 
 constexpr uint32_t kRoutingMaxKeys = 1025;  // E <= 1024 (the launcher checks)
+constexpr uint32_t kRoutingBatch = 8;  // loads issued together before their values are used
 
 struct MoERoutingParams {
     const int64_t* topk_idx;    // [N = T * K] expert ids
@@ -70,15 +71,30 @@ __device__ __forceinline__ void moe_routing_scan_impl(const MoERoutingParams& p)
     const uint32_t run_end = min(run_begin + run, p.num_chunks);
     for (uint32_t k = warp; k < num_keys; k += kNumThreads / 32) {
         int* column = p.chunk_counts + k;
+        const auto at = [&](uint32_t c) { return column + static_cast<uint64_t>(c) * num_keys; };
         int sum = 0;
-        for (uint32_t c = run_begin; c < run_end; ++c)
-            sum += column[static_cast<uint64_t>(c) * num_keys];
+        for (uint32_t c0 = run_begin; c0 < run_end; c0 += kRoutingBatch) {  // loads in flight together
+            int n[kRoutingBatch];
+            #pragma unroll
+            for (uint32_t j = 0; j < kRoutingBatch; ++j)
+                n[j] = c0 + j < run_end ? *at(c0 + j) : 0;
+            #pragma unroll
+            for (uint32_t j = 0; j < kRoutingBatch; ++j)
+                sum += n[j];
+        }
         const int inclusive = warp_inclusive_scan(sum, lane);
         int running = inclusive - sum;
-        for (uint32_t c = run_begin; c < run_end; ++c) {
-            const int n = column[static_cast<uint64_t>(c) * num_keys];
-            column[static_cast<uint64_t>(c) * num_keys] = running;
-            running += n;
+        for (uint32_t c0 = run_begin; c0 < run_end; c0 += kRoutingBatch) {
+            int n[kRoutingBatch];
+            #pragma unroll
+            for (uint32_t j = 0; j < kRoutingBatch; ++j)
+                n[j] = c0 + j < run_end ? *at(c0 + j) : 0;
+            #pragma unroll
+            for (uint32_t j = 0; j < kRoutingBatch; ++j) {
+                if (c0 + j < run_end)
+                    *at(c0 + j) = running;
+                running += n[j];
+            }
         }
         if (lane == 31)
             totals[k] = inclusive;
@@ -111,22 +127,32 @@ __device__ __forceinline__ void moe_routing_place_impl(const MoERoutingParams& p
         seen[k] = p.offsets[k] + first[k];
     __syncwarp();
     const uint32_t begin = chunk * p.slots_per_chunk, end = min(begin + p.slots_per_chunk, p.num_slots);
-    for (uint32_t base = begin; base < end; base += 32) {
-        const uint32_t slot = base + lane;
-        const bool in_range = slot < end;
-        const uint32_t key = in_range ? routing_key(p, slot) : num_keys;  // num_keys: a key no slot has
-        const uint32_t peers = __match_any_sync(0xffffffff, key);
-        const int row = in_range ? seen[key] + __popc(peers & ((1u << lane) - 1)) : 0;
-        __syncwarp();
-        if (in_range and lane == __ffs(peers) - 1)
-            seen[key] += __popc(peers);
-        __syncwarp();
-        if (in_range) {
-            const bool valid = key < p.num_experts;
-            p.slot_row[slot] = row;
-            p.slot_valid[slot] = valid;
-            p.row_token[row] = slot / p.num_topk;
-            p.row_weight[row] = valid ? p.topk_weights[slot] : 0.0f;
+    for (uint32_t base = begin; base < end; base += 32 * kRoutingBatch) {
+        uint32_t keys[kRoutingBatch];  // a batch of rounds' loads in flight together
+        float weights[kRoutingBatch];
+        #pragma unroll
+        for (uint32_t b = 0; b < kRoutingBatch; ++b) {
+            const uint32_t slot = base + 32 * b + lane;
+            keys[b] = slot < end ? routing_key(p, slot) : num_keys;  // num_keys: a key no slot has
+            weights[b] = slot < end ? p.topk_weights[slot] : 0.0f;
+        }
+        #pragma unroll
+        for (uint32_t b = 0; b < kRoutingBatch; ++b) {
+            const uint32_t slot = base + 32 * b + lane, key = keys[b];
+            const bool in_range = slot < end;
+            const uint32_t peers = __match_any_sync(0xffffffff, key);
+            const int row = in_range ? seen[key] + __popc(peers & ((1u << lane) - 1)) : 0;
+            __syncwarp();
+            if (in_range and lane == __ffs(peers) - 1)
+                seen[key] += __popc(peers);
+            __syncwarp();
+            if (in_range) {
+                const bool valid = key < p.num_experts;
+                p.slot_row[slot] = row;
+                p.slot_valid[slot] = valid;
+                p.row_token[row] = slot / p.num_topk;
+                p.row_weight[row] = valid ? weights[b] : 0.0f;
+            }
         }
     }
 }

@@ -7,14 +7,17 @@ namespace deep_gemm::ptx {
 
 constexpr uint32_t kBF16PerVec = 8;
 
-__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* ptr, float (&out)[kBF16PerVec]) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(ptr));
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&out)[kBF16PerVec]) {
     const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
     #pragma unroll
     for (uint32_t i = 0; i < kBF16PerVec / 2; ++i) {
         const float2 v = __bfloat1622float2(pairs[i]);
         out[2 * i] = v.x, out[2 * i + 1] = v.y;
     }
+}
+
+__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* ptr, float (&out)[kBF16PerVec]) {
+    bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(ptr)), out);
 }
 
 __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* ptr, const float (&in)[kBF16PerVec]) {
