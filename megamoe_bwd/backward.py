@@ -9,13 +9,14 @@ are copied to routed order first, or gathered by the GEMMs' loads (GATHER_ROWS["
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
 from deep_gemm.moe import forward as moe_forward_module
 from deep_gemm.moe.forward import MegaMoEHandle
+from deep_gemm.moe.layout import RoutingLayout
 from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
 
 
@@ -43,8 +44,9 @@ def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 
 def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
                       weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None,
-                      dl2: Optional[torch.Tensor] = None, keep_handle: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      dl2: Optional[torch.Tensor] = None, keep_handle: bool = False,
+                      combine_dx: Optional[Callable[[torch.Tensor, RoutingLayout], Optional[torch.Tensor]]] = None
+                      ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
     Args:
@@ -53,6 +55,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         handle: from ``bf16_mega_moe(..., training=True)``.
         weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
         dl1, dl2: optional existing gradients (fp32 or bf16) to accumulate into, in place.
+        combine_dx: for expert parallelism: called with dx's routed rows ``[T * K, H]`` and the
+            layout in place of the local sum over slots; what it returns is returned as dx.
         keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
             gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
             so a saved copy of it cannot be reused silently) and a second backward with it
@@ -112,7 +116,10 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
 
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
-        dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+        if combine_dx is None:
+            dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
+        else:
+            dx = combine_dx(dxs, layout)
         del dxs
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
                                     .view_as(layout.slot_row), 0.0)

@@ -19,6 +19,7 @@ REPLACEMENTS = [
     (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
     (nvlink_module, "moe_combine_bf16", emulate.moe_combine),
     (nvlink_module, "ep_push_rows_bf16", emulate.ep_push_rows),
+    (nvlink_module, "moe_combine_to_peers_bf16", emulate.moe_combine_to_peers),
 ]
 
 

@@ -86,6 +86,7 @@ def test_emulations_take_the_kernels_arguments():
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
              (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows),
              (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
+             (glue.moe_combine_to_peers_bf16, emulate.moe_combine_to_peers),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
@@ -235,6 +236,33 @@ def test_combine_kernel(weighted):
     expected = emulate.moe_combine(rows, layout, weights if weighted else None,
                                    torch.empty(1000, 1024, device="cuda", dtype=torch.float64))
     assert relative_error(out, expected) < 4e-3
+
+
+@requires_sm90
+def test_combine_to_peers_writes_each_token_where_it_is_sent():
+    """Two buffers of this process stand in for two ranks' regions."""
+    from deep_gemm.moe.glue import moe_combine_bf16, moe_combine_to_peers_bf16
+    from deep_gemm.moe.symm import PeerRegion
+    T, H = 300, 512
+    topk_idx = make_moe_inputs(T, 64, 64, 16, 4, device="cuda", empty_slot_frac=0.2)["topk_idx"]
+    weights = torch.rand(T, 4, device="cuda")
+    layout = build_routing_layout(topk_idx, weights, 16)
+    rows = torch.randn(4 * T, H, device="cuda", dtype=torch.bfloat16)
+    regions = [torch.full((2 * T, H), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    region = PeerRegion(tuple(regions), torch.tensor([r.data_ptr() for r in regions], device="cuda"))
+    dst_rank = torch.randint(0, 2, (T,), device="cuda", dtype=torch.int32)
+    dst_row = torch.randperm(2 * T, device="cuda")[:T]
+    dst_row[::7] = -1  # not sent
+    num_valid = torch.tensor([T - 10], device="cuda", dtype=torch.int32)  # the last 10 tokens: not sent
+    moe_combine_to_peers_bf16(rows, layout, weights, dst_rank, dst_row, region, num_valid)
+    expected = moe_combine_bf16(rows, layout, weights, torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
+    sent = (dst_row >= 0) & (torch.arange(T, device="cuda") < T - 10)
+    for rank, buffer in enumerate(regions):
+        mine = sent & (dst_rank == rank)
+        assert torch.equal(buffer[dst_row[mine]], expected[mine])
+        written = torch.zeros(2 * T, dtype=torch.bool, device="cuda")
+        written[dst_row[mine]] = True
+        assert buffer[~written].isnan().all()  # nothing else touched
 
 
 def _routed_layout(T=600, K=6, E=16, empty=0.2):

@@ -96,10 +96,10 @@ def routed_rows(t: torch.Tensor, layout: RoutingLayout, gather: bool) -> tuple[t
     return moe_gather_rows_bf16(t, layout), None
 
 
-def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
-    dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
+def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor,
+                    l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' work on a built layout: ``(h, out)``, GEMM1's output ``h [T * K, 2I]`` and
+    GEMM2's unweighted rows ``out [T * K, H]``, in routed-row order (rows past offsets[E] unwritten)."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
     a, index = routed_rows(x, layout, GATHER_ROWS["forward"])
@@ -111,6 +111,14 @@ def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tens
         act = moe_swiglu_fwd_bf16(h, layout)
     out = x.new_empty(num_slots, hidden)
     m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
+    return h, out
+
+
+def moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, l1: torch.Tensor,
+                l2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward on a built layout: writes `y`, returns GEMM1's output h. Device- and
+    dtype-agnostic given the kernels, so the orchestration is testable with emulations."""
+    h, out = moe_expert_rows(x, layout, l1, l2)
     moe_combine_bf16(out, layout, topk_weights, y)
     return h
 

@@ -19,7 +19,7 @@ from .symm import PeerRegion
 # CTAs per SM; None: the launch gives the grid)
 _KERNELS = {
     "moe_routing_count": ("moe_routing_layout.cuh", "MoERoutingParams", 256, None),
-    "moe_routing_scan": ("moe_routing_layout.cuh", "MoERoutingParams", 1024, None),
+    "moe_routing_scan": ("moe_routing_layout.cuh", "MoERoutingParams", 256, None),
     "moe_routing_place": ("moe_routing_layout.cuh", "MoERoutingParams", 256, None),
     "moe_combine": ("moe_combine.cuh", "MoECombineParams", 256, 8),
     "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwdParams", 256, 8),
@@ -95,15 +95,18 @@ def moe_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_e
     # Chunks of at least 256 slots, at most ~512 chunks: the scan stays short, each warp's walk too.
     per_chunk = 32 * max(8, -(-num_slots // (32 * 512)))
     num_chunks = -(-num_slots // per_chunk)
-    counts = torch.empty(max(num_chunks, 1), num_experts + 1, dtype=torch.int32, device=device)
-    pointers = [t.data_ptr() for t in (topk_idx, weights, counts, offsets, row_token, row_weight, slot_row, slot_valid)]
+    counts = torch.empty(num_experts + 1, max(num_chunks, 1), dtype=torch.int32, device=device)
+    totals = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    pointers = [t.data_ptr() for t in (topk_idx, weights, counts, totals, offsets, row_token, row_weight, slot_row,
+                                       slot_valid)]
     ints = [num_slots, num_topk, num_experts, per_chunk, num_chunks]
-    grid = -(-num_chunks // _ROUTING_WARPS_PER_CTA)
     if num_slots:
+        grid = -(-num_chunks // _ROUTING_WARPS_PER_CTA)
         _launch("moe_routing_count", pointers, ints, device.index, grid)
-    _launch("moe_routing_scan", pointers, ints, device.index, 1)  # with no slots: offsets all 0
-    if num_slots:
+        _launch("moe_routing_scan", pointers, ints, device.index, num_experts + 1)
         _launch("moe_routing_place", pointers, ints, device.index, grid)
+    else:
+        offsets.zero_()
     return RoutingLayout(offsets=offsets, row_token=row_token, row_weight=row_weight, slot_row=slot_row,
                          slot_valid=slot_valid)
 
@@ -115,19 +118,48 @@ def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optiona
     rows ``[T * K, H]`` bf16 in routed-row order (rows of empty slots are never read), out
     ``[T, H]`` bf16, weights ``[T, K]`` (summed in fp32). H must be a multiple of 8.
     """
+    num_tokens = layout.slot_row.shape[0]
+    _check_bf16(out=out)
+    if tuple(out.shape) != (num_tokens, rows.shape[1]):
+        raise ValueError(f"out must be [{num_tokens}, {rows.shape[1]}]")
+    _combine(rows, layout, weights, [out.data_ptr(), 0, 0, 0, 0], out.device)
+    return out
+
+
+def moe_combine_to_peers_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],
+                              dst_rank: torch.Tensor, dst_row: torch.Tensor, dst_rows: PeerRegion,
+                              num_valid: torch.Tensor) -> None:
+    """`moe_combine_bf16` whose token t is written as row ``dst_row[t]`` of rank
+    ``dst_rank[t]``'s region `dst_rows` (`SymmBuffer.region`, rows of H bf16) instead of
+    ``out[t]``, for t < ``num_valid[0]`` (read on the GPU) with ``dst_row[t] >= 0``.
+    dst_rank int32 ``[T]``, dst_row int64 ``[T]``, num_valid int32 ``[1]``. Stream-ordered; the
+    caller barriers before peers read."""
+    num_tokens = layout.slot_row.shape[0]
+    for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
+                           ("num_valid", num_valid, torch.int32)):
+        if t.dtype != dtype or not t.is_contiguous() or t.numel() != (1 if name == "num_valid" else num_tokens):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {1 if name == 'num_valid' else num_tokens} "
+                             "elements")
+    check_cuda_devices(rows=rows, dst_rank=dst_rank, dst_row=dst_row, num_valid=num_valid)
+    _combine(rows, layout, weights, [0, dst_rows.addresses.data_ptr(), dst_rank.data_ptr(), dst_row.data_ptr(),
+                                     num_valid.data_ptr()], rows.device)
+
+
+def _combine(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor], out_pointers: list[int],
+             device: torch.device) -> None:
+    """Checks and launches moe_combine; `out_pointers` are its out, out_peers, out_rank, out_row, num_valid."""
     num_tokens, num_topk = layout.slot_row.shape
     hidden = rows.shape[1]
-    _check_bf16(rows=rows, out=out)
-    if tuple(out.shape) != (num_tokens, hidden) or hidden % 8:
-        raise ValueError(f"out must be [{num_tokens}, {hidden}] with H a multiple of 8")
+    _check_bf16(rows=rows)
+    if hidden % 8:
+        raise ValueError(f"H = {hidden} must be a multiple of 8")
     if num_tokens == 0:
-        return out
+        return
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
     _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
-                                 0 if weights is None else weights.data_ptr(), out.data_ptr()],
-            [num_tokens, hidden, num_topk], rows.device.index)
-    return out
+                            0 if weights is None else weights.data_ptr(), *out_pointers],
+            [num_tokens, hidden, num_topk], device.index)
 
 
 def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
@@ -180,23 +212,26 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     return dz, act_weighted, row_dw
 
 
-def ep_push_rows_bf16(src: torch.Tensor, src_row: Optional[torch.Tensor], dst_rank: torch.Tensor, dst_row: torch.Tensor,
-                 dst_rows: PeerRegion, *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
+def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tensor], dst_rank: torch.Tensor,
+                      dst_row: torch.Tensor, dst_rows: Optional[PeerRegion], *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
                  i32: Optional[torch.Tensor] = None, dst_i32: Optional[PeerRegion] = None,
                  num_valid: Optional[torch.Tensor] = None) -> None:
     """For each entry i < n = ``dst_row.numel()`` (and i < ``num_valid[0]`` when given, read
     on the GPU): writes row r = ``src_row[i]`` (i if `src_row` is None) of `src` as row
     ``dst_row[i]`` of rank ``dst_rank[i]``'s region `dst_rows`, and row r of `f32` / `i32`
     (when given) as row ``dst_row[i]`` of `dst_f32` / `dst_i32`. Entries with
-    ``dst_row[i] < 0`` are skipped.
+    ``dst_row[i] < 0`` are skipped. Without `src` (and `dst_rows`) only f32 / i32 move.
 
     src ``[*, H]`` bf16 (H % 8 == 0); f32 ``[*, C]`` float32 and i32 ``[*, C']`` int32, indexed
     like src; src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``; the destinations are
     regions of every rank's symmetric buffer (`SymmBuffer.region`) with rows of H, C, C'
     elements. Stream-ordered; the caller barriers before peers read.
     """
-    _check_bf16(src=src)
-    n, hidden = dst_row.numel(), src.shape[1]
+    if (src is None) != (dst_rows is None):
+        raise ValueError("src needs its destination region dst_rows")
+    if src is not None:
+        _check_bf16(src=src)
+    n, hidden = dst_row.numel(), 0 if src is None else src.shape[1]
     if hidden % 8:
         raise ValueError(f"H = {hidden} must be a multiple of 8")
     for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
@@ -218,6 +253,6 @@ def ep_push_rows_bf16(src: torch.Tensor, src_row: Optional[torch.Tensor], dst_ra
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     region = lambda r: 0 if r is None else r.addresses.data_ptr()  # noqa: E731
     cols = lambda t: 0 if t is None else t.shape[1]  # noqa: E731
-    _launch("ep_push_rows", [src.data_ptr(), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
+    _launch("ep_push_rows", [ptr(src), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
                              ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
-            [n, hidden, cols(f32), cols(i32)], src.device.index)
+            [n, hidden, cols(f32), cols(i32)], dst_row.device.index)

@@ -58,6 +58,12 @@ def moe_combine(rows, layout, weights, out):
     return out
 
 
+def moe_combine_to_peers(rows, layout, weights, dst_rank, dst_row, dst_rows, num_valid):
+    """Emulates `deep_gemm.moe.glue.moe_combine_to_peers_bf16`, writing into the region's tensors."""
+    out = moe_combine(rows, layout, weights, rows.new_empty(layout.slot_row.shape[0], rows.shape[1]))
+    ep_push_rows(out, None, dst_rank, dst_row, dst_rows, num_valid=num_valid)
+
+
 def _routed(layout) -> int:
     return int(layout.offsets[-1])
 
@@ -99,7 +105,8 @@ def ep_push_rows(src, src_row, dst_rank, dst_row, dst_rows, *, f32=None, dst_f32
     """Emulates `deep_gemm.moe.glue.ep_push_rows_bf16`, writing into the regions' tensors."""
     n = dst_row.numel() if num_valid is None else min(dst_row.numel(), int(num_valid[0]))
     index = torch.arange(n, device=dst_row.device)
-    for rank, rows in enumerate(dst_rows.tensors):
+    world = len(next(r for r in (dst_rows, dst_f32, dst_i32) if r is not None).tensors)
+    for rank in range(world):
         i = index[(dst_row[:n] >= 0) & (dst_rank[:n] == rank)]
         at, source = dst_row.index_select(0, i), (i if src_row is None else src_row.index_select(0, i))
         for values, region in ((src, dst_rows), (f32, dst_f32), (i32, dst_i32)):

@@ -7,9 +7,11 @@ synchronisation. Not yet overlapped: each exchange completes (a barrier) before 
 that read it start.
 
 Forward:  plan (counts all-gathered) -> push x (+ top-k ids, weights, origin) -> barrier ->
-          the single-GPU forward -> push partial outputs back -> barrier -> sum over ranks.
-Backward: push dy -> barrier -> the single-GPU backward (weight gradients on a side stream)
-          -> push dx partials and routing-weight gradients back -> barrier -> sum over ranks.
+          the single-GPU experts' GEMMs -> combine over this rank's slots, written straight into
+          the owners' buffers -> barrier -> sum over ranks.
+Backward: push dy -> barrier -> the single-GPU backward (weight gradients on a side stream),
+          its dx rows summed over this rank's slots straight into the owners' buffers -> push
+          routing-weight gradients back -> barrier -> sum over ranks.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's.
 """
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls
-from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_forward
-from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16
+from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_expert_rows
+from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16, moe_combine_to_peers_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
 from deep_gemm.moe.symm import SymmBuffer
 
@@ -48,10 +50,11 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         back_row = recv_meta[:, num_topk] % buffer.max_tokens * world + me
         recv_x = buffer.local["recv_x"].clone()  # kept for the weight gradient of l1
         layout = build_routing_layout(local_idx, local_weights, num_local)
-        partial = recv_x.new_empty(recv_x.shape)
-        h = moe_forward(recv_x, layout, local_weights, l1, l2, partial)
-
-        ep_push_rows_bf16(partial, None, back_rank, back_row, buffer.region("back"), num_valid=plan.num_recv)
+        h, rows = moe_expert_rows(recv_x, layout, l1, l2)
+        # Each received token's weighted sum over this rank's experts goes straight to its owner.
+        moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"),
+                                  plan.num_recv)
+        del rows
         buffer.barrier()
         y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(num_tokens, hidden))
         ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
@@ -73,10 +76,13 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         check_calls(buffer)
 
         handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
-        d_recv_x, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
-                                                               weight_grad_dtype=l1.dtype)
-        ep_push_rows_bf16(d_recv_x, None, back_rank, back_row, buffer.region("back"), f32=d_recv_weights,
-                     dst_f32=buffer.region("back_dw"), num_valid=num_recv)
+        def to_owners(rows: torch.Tensor, layout: RoutingLayout) -> None:  # each token's dx rows, summed
+            moe_combine_to_peers_bf16(rows, layout, None, back_rank, back_row, buffer.region("back"), num_recv)
+
+        _, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
+                                                        weight_grad_dtype=l1.dtype, combine_dx=to_owners)
+        ep_push_rows_bf16(None, None, back_rank, back_row, None, f32=d_recv_weights, dst_f32=buffer.region("back_dw"),
+                          num_valid=num_recv)
         buffer.barrier()
         pairs = RoutingLayout(offsets, token, row_weight.new_empty(0), pair_row, pair_valid)
         dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, dy.new_empty(dy.shape))

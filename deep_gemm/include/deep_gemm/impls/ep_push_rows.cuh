@@ -4,8 +4,8 @@
 //   r = src_row[i] (i when null); dst_rows[dst_rank[i]][dst_row[i]] = src[r]   (H bf16)
 // and, when given, `f32_cols` fp32 and `i32_cols` int32 values of row r of `f32` / `i32`
 // written alongside at row dst_row[i] of the ranks' `dst_f32` / `dst_i32` regions. Entries
-// with dst_row < 0, or i >= *num_valid when given, are skipped. One warp per entry,
-// 16-byte accesses for the row.
+// with dst_row < 0, or i >= *num_valid when given, are skipped; without `src` only the fp32 /
+// int32 values move. One warp per entry, 16-byte accesses for the row.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/vec.cuh"
@@ -13,7 +13,7 @@
 namespace deep_gemm {
 
 struct EpPushRowsParams {
-    const __nv_bfloat16* src;     // [*, H]
+    const __nv_bfloat16* src;     // [*, H], or null
     const int64_t* src_row;       // [n], or null: row i
     const int32_t* dst_rank;      // [n]
     const int64_t* dst_row;       // [n]: row in the destination region, < 0: not sent
@@ -37,9 +37,10 @@ __device__ __forceinline__ void ep_push_rows_impl(const EpPushRowsParams& p) {
             continue;
         const int32_t rank = p.dst_rank[i];
         const int64_t src_row = p.src_row != nullptr ? p.src_row[i] : i;
-        ptx::copy_row_warp(reinterpret_cast<const uint4*>(p.src + src_row * p.hidden),
-                           reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.dst_rows[rank]) + row * p.hidden),
-                           num_vecs, lane);
+        if (p.src != nullptr)
+            ptx::copy_row_warp(reinterpret_cast<const uint4*>(p.src + src_row * p.hidden),
+                               reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.dst_rows[rank]) + row * p.hidden),
+                               num_vecs, lane);
         if (p.f32 != nullptr) {
             for (uint32_t c = lane; c < p.f32_cols; c += 32)
                 reinterpret_cast<float*>(p.dst_f32[rank])[row * p.f32_cols + c] = p.f32[src_row * p.f32_cols + c];

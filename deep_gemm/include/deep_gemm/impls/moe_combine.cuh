@@ -2,7 +2,9 @@
 // Combine of an MoE layer's routed rows back into token order:
 //   out[t] = sum over valid slots k of w[t, k] * rows[slot_row[t, k]]   (w = 1 without weights)
 // bf16 in and out, fp32 sums in slot order (deterministic, no atomics). One CTA per token at
-// a time; each thread owns 16-byte column chunks, so every row read is coalesced.
+// a time; each thread owns 16-byte column chunks, so every row read is coalesced. With
+// `out_peers` (expert parallelism), token t's sum goes to row out_row[t] of rank out_rank[t]'s
+// region instead, through its peer address (skipped when out_row[t] < 0 or t >= *num_valid).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/vec.cuh"
@@ -14,7 +16,11 @@ struct MoECombineParams {
     const int64_t* slot_row;    // [T, K]: routed row of each slot
     const bool* slot_valid;     // [T, K]: false on empty slots (their rows are never read)
     const float* weights;       // [T, K], or null for an unweighted sum
-    __nv_bfloat16* out;         // [T, H]
+    __nv_bfloat16* out;         // [T, H], unless out_peers
+    const uint64_t* out_peers;  // [world]: address of each rank's output row region, or null
+    const int32_t* out_rank;    // [T] with out_peers
+    const int64_t* out_row;     // [T] with out_peers
+    const int* num_valid;       // on the GPU, with out_peers: tokens t >= *num_valid are skipped
     uint32_t num_tokens, hidden, num_topk;
 };
 
@@ -26,7 +32,16 @@ __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
     // 1.6 TB/s at H = 4096 (measured).
     constexpr uint32_t kGroup = 8;
     const uint32_t num_chunks = p.hidden / kVec;
-    for (uint32_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    const uint32_t num_tokens = p.out_peers != nullptr ? min(p.num_tokens, static_cast<uint32_t>(max(*p.num_valid, 0)))
+                                                       : p.num_tokens;
+    for (uint32_t token = blockIdx.x; token < num_tokens; token += gridDim.x) {
+        __nv_bfloat16* out = p.out + static_cast<uint64_t>(token) * p.hidden;
+        if (p.out_peers != nullptr) {
+            const int64_t row = p.out_row[token];
+            if (row < 0)
+                continue;
+            out = reinterpret_cast<__nv_bfloat16*>(p.out_peers[p.out_rank[token]]) + row * p.hidden;
+        }
         const uint64_t first_slot = static_cast<uint64_t>(token) * p.num_topk;
         for (uint32_t chunk = threadIdx.x; chunk < num_chunks; chunk += kNumThreads) {
             float acc[kVec] = {};
@@ -53,7 +68,7 @@ __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
                         acc[i] += w[j] * v[i];
                 }
             }
-            ptx::store_bf16x8(p.out + static_cast<uint64_t>(token) * p.hidden + chunk * kVec, acc);
+            ptx::store_bf16x8(out + chunk * kVec, acc);
         }
     }
 }

@@ -3,10 +3,11 @@
 // stably (slot order within an expert), empty slots (ids outside [0, E)) last. A counting sort
 // in three launches, deterministic (no atomics whose order shows in the result):
 //   count: each warp counts the keys of its chunk of slots;
-//   scan:  one CTA turns the counts into each chunk's first row per key (within the key),
-//          and the keys' totals into the offsets;
-//   place: each warp walks its chunk in slot order, 32 slots at a time, ranking equal keys
-//          with __match_any_sync, and writes every slot's row.
+//   scan:  one CTA per key turns that key's counts into each chunk's first row within the key,
+//          and writes the key's total;
+//   place: each CTA scans the totals into the keys' first rows (the offsets); each warp walks
+//          its chunk in slot order, 32 slots at a time, ranking equal keys with
+//          __match_any_sync, and writes every slot's row.
 // Key e < E is expert e; key E collects the empty slots.
 #include <cstdint>
 
@@ -18,7 +19,8 @@ constexpr uint32_t kRoutingBatch = 8;  // loads issued together before their val
 struct MoERoutingParams {
     const int64_t* topk_idx;    // [N = T * K] expert ids
     const float* topk_weights;  // [N]
-    int* chunk_counts;          // [num_chunks, E + 1]: counts (count), then first rows (scan)
+    int* chunk_counts;          // [E + 1, num_chunks]: counts (count), then first rows within the key (scan)
+    int* key_totals;            // [E + 1]
     int* offsets;               // [E + 1]: expert e's rows start at offsets[e]; offsets[E] = valid rows
     int64_t* row_token;         // [N]
     float* row_weight;          // [N], 0 on empty slots
@@ -49,7 +51,7 @@ __device__ __forceinline__ void moe_routing_count_impl(const MoERoutingParams& p
         atomicAdd(count + routing_key(p, slot), 1);
     __syncwarp();
     for (uint32_t k = lane; k < num_keys; k += 32)
-        p.chunk_counts[static_cast<uint64_t>(chunk) * num_keys + k] = count[k];
+        p.chunk_counts[static_cast<uint64_t>(k) * p.num_chunks + chunk] = count[k];
 }
 
 __device__ __forceinline__ int warp_inclusive_scan(int value, uint32_t lane) {
@@ -61,55 +63,61 @@ __device__ __forceinline__ int warp_inclusive_scan(int value, uint32_t lane) {
     return value;
 }
 
-// One CTA: per key, one warp scans the chunks' counts (each lane a run of chunks); then
-// warp 0 scans the keys' totals into the offsets.
+// Exclusive scan over the CTA; `total` gets the sum of every thread's value.
 template <uint32_t kNumThreads>
-__device__ __forceinline__ void moe_routing_scan_impl(const MoERoutingParams& p) {
-    __shared__ int totals[kRoutingMaxKeys];
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_keys = p.num_experts + 1;
-    const uint32_t run = (p.num_chunks + 31) / 32, run_begin = min(lane * run, p.num_chunks);
-    const uint32_t run_end = min(run_begin + run, p.num_chunks);
-    for (uint32_t k = warp; k < num_keys; k += kNumThreads / 32) {
-        int* column = p.chunk_counts + k;
-        const auto at = [&](uint32_t c) { return column + static_cast<uint64_t>(c) * num_keys; };
-        int sum = 0;
-        for (uint32_t c0 = run_begin; c0 < run_end; c0 += kRoutingBatch) {  // loads in flight together
-            int n[kRoutingBatch];
-            #pragma unroll
-            for (uint32_t j = 0; j < kRoutingBatch; ++j)
-                n[j] = c0 + j < run_end ? *at(c0 + j) : 0;
-            #pragma unroll
-            for (uint32_t j = 0; j < kRoutingBatch; ++j)
-                sum += n[j];
-        }
-        const int inclusive = warp_inclusive_scan(sum, lane);
-        int running = inclusive - sum;
-        for (uint32_t c0 = run_begin; c0 < run_end; c0 += kRoutingBatch) {
-            int n[kRoutingBatch];
-            #pragma unroll
-            for (uint32_t j = 0; j < kRoutingBatch; ++j)
-                n[j] = c0 + j < run_end ? *at(c0 + j) : 0;
-            #pragma unroll
-            for (uint32_t j = 0; j < kRoutingBatch; ++j) {
-                if (c0 + j < run_end)
-                    *at(c0 + j) = running;
-                running += n[j];
-            }
-        }
-        if (lane == 31)
-            totals[k] = inclusive;
+__device__ __forceinline__ int block_exclusive_scan(int value, int& total) {
+    constexpr uint32_t kWarps = kNumThreads / 32;
+    __shared__ int warp_starts[kWarps], block_total;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int inclusive = warp_inclusive_scan(value, lane);
+    if (lane == 31)
+        warp_starts[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int sum = lane < kWarps ? warp_starts[lane] : 0;
+        const int scanned = warp_inclusive_scan(sum, lane);
+        if (lane < kWarps)
+            warp_starts[lane] = scanned - sum;
+        if (lane == kWarps - 1)
+            block_total = scanned;
     }
     __syncthreads();
-    if (warp == 0) {  // offsets has E + 1 entries: key E (the empty slots) starts at offsets[E]
-        int start = 0;
-        for (uint32_t k0 = 0; k0 < num_keys; k0 += 32) {
-            const int total = k0 + lane < num_keys ? totals[k0 + lane] : 0;
-            const int inclusive = warp_inclusive_scan(total, lane);
-            if (k0 + lane < num_keys)
-                p.offsets[k0 + lane] = start + inclusive - total;
-            start += __shfl_sync(0xffffffff, inclusive, 31);
+    total = block_total;
+    return warp_starts[warp] + inclusive - value;
+}
+
+// One CTA per key: an exclusive scan of the key's counts over the chunks (each thread a run).
+template <uint32_t kNumThreads>
+__device__ __forceinline__ void moe_routing_scan_impl(const MoERoutingParams& p) {
+    int* counts = p.chunk_counts + static_cast<uint64_t>(blockIdx.x) * p.num_chunks;
+    const uint32_t run = (p.num_chunks + kNumThreads - 1) / kNumThreads;
+    const uint32_t begin = min(threadIdx.x * run, p.num_chunks), end = min(begin + run, p.num_chunks);
+    int sum = 0;
+    for (uint32_t c0 = begin; c0 < end; c0 += kRoutingBatch) {  // loads in flight together
+        int n[kRoutingBatch];
+        #pragma unroll
+        for (uint32_t j = 0; j < kRoutingBatch; ++j)
+            n[j] = c0 + j < end ? counts[c0 + j] : 0;
+        #pragma unroll
+        for (uint32_t j = 0; j < kRoutingBatch; ++j)
+            sum += n[j];
+    }
+    int total;
+    int running = block_exclusive_scan<kNumThreads>(sum, total);
+    for (uint32_t c0 = begin; c0 < end; c0 += kRoutingBatch) {
+        int n[kRoutingBatch];
+        #pragma unroll
+        for (uint32_t j = 0; j < kRoutingBatch; ++j)
+            n[j] = c0 + j < end ? counts[c0 + j] : 0;
+        #pragma unroll
+        for (uint32_t j = 0; j < kRoutingBatch; ++j) {
+            if (c0 + j < end)
+                counts[c0 + j] = running;
+            running += n[j];
         }
     }
+    if (threadIdx.x == 0)
+        p.key_totals[blockIdx.x] = total;
 }
 
 // One chunk per warp, in slot order: a slot's row is its key's start, plus the chunk's first
@@ -117,14 +125,31 @@ __device__ __forceinline__ void moe_routing_scan_impl(const MoERoutingParams& p)
 template <uint32_t kNumThreads>
 __device__ __forceinline__ void moe_routing_place_impl(const MoERoutingParams& p) {
     __shared__ int counts[kNumThreads / 32][kRoutingMaxKeys];
+    __shared__ int key_start[kRoutingMaxKeys];
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_keys = p.num_experts + 1;
+    for (uint32_t k = threadIdx.x; k < num_keys; k += kNumThreads)
+        key_start[k] = p.key_totals[k];
+    __syncthreads();
+    if (warp == 0) {  // the keys' first rows, from their totals (CTA 0 also writes the offsets)
+        int start = 0;
+        for (uint32_t k0 = 0; k0 < num_keys; k0 += 32) {
+            const int total = k0 + lane < num_keys ? key_start[k0 + lane] : 0;
+            const int inclusive = warp_inclusive_scan(total, lane);
+            if (k0 + lane < num_keys) {
+                key_start[k0 + lane] = start + inclusive - total;
+                if (blockIdx.x == 0)  // offsets has E + 1 entries: key E (the empty slots) starts at offsets[E]
+                    p.offsets[k0 + lane] = start + inclusive - total;
+            }
+            start += __shfl_sync(0xffffffff, inclusive, 31);
+        }
+    }
+    __syncthreads();
     const uint32_t chunk = blockIdx.x * (kNumThreads / 32) + warp;
     if (chunk >= p.num_chunks)
         return;
     int* seen = counts[warp];
-    const int* first = p.chunk_counts + static_cast<uint64_t>(chunk) * num_keys;
     for (uint32_t k = lane; k < num_keys; k += 32)
-        seen[k] = p.offsets[k] + first[k];
+        seen[k] = key_start[k] + p.chunk_counts[static_cast<uint64_t>(k) * p.num_chunks + chunk];
     __syncwarp();
     const uint32_t begin = chunk * p.slots_per_chunk, end = min(begin + p.slots_per_chunk, p.num_slots);
     for (uint32_t base = begin; base < end; base += 32 * kRoutingBatch) {
