@@ -6,6 +6,7 @@ needs no GPU.
 from .gemm import (
     k_grouped_bf16_gemm_tn_contiguous,
     m_grouped_bf16_gemm_nn_contiguous,
+    m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
 )
@@ -35,5 +36,6 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_contiguous",
     "m_grouped_bf16_gemm_nn_contiguous",
     "m_grouped_bf16_gemm_nt_swiglu_contiguous",
+    "m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
 ]

@@ -6,7 +6,8 @@ above the inputs, for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with
              token rows gathered by the forward GEMM's loads and copied before the backward
              GEMMs (the default, deep_gemm.moe.forward.GATHER_ROWS); as "ours, rows copied"
-             and "ours, rows gathered", one way in both passes
+             and "ours, rows gathered", one way in both passes; as "ours, SwiGLU bwd pass",
+             the SwiGLU backward outside dA's GEMM (megamoe_bwd.backward.FUSED_SWIGLU_BWD)
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
+import megamoe_bwd.backward as moe_backward_module  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
@@ -75,6 +77,8 @@ def profile(fn, inputs, dy, title: str, show: bool = True) -> None:
     Collective when `fn` is; `show` False profiles without printing (other ranks)."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fn(*leaves).backward(dy)
+    for t in leaves:  # as in the timed steps: gradients are created, not accumulated
+        t.grad = None
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
@@ -154,13 +158,17 @@ def main() -> None:
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, backend="nccl")
         return
 
-    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe}
-    default_gather = dict(moe_forward_module.GATHER_ROWS)
+    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe,
+             "ours, SwiGLU bwd pass": mega_moe}
+    # Our variants: (module, attribute, value) set while they are timed.
+    variants = {"ours, rows copied": (moe_forward_module, "GATHER_ROWS", {"forward": False, "backward": False}),
+                "ours, rows gathered": (moe_forward_module, "GATHER_ROWS", {"forward": True, "backward": True}),
+                "ours, SwiGLU bwd pass": (moe_backward_module, "FUSED_SWIGLU_BWD", False)}
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     warm_up_gpu()
-    header = (f"{'model':<5} {'route':<7} {'impl':<19} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
+    header = (f"{'model':<5} {'route':<7} {'impl':<21} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
               f"{'vs torch':>8} {'peak GB':>8}")
     lines, results = [header], []
     print(header, flush=True)
@@ -172,13 +180,18 @@ def main() -> None:
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             torch_total = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
-                if name in ("ours, rows copied", "ours, rows gathered"):
-                    moe_forward_module.GATHER_ROWS = dict.fromkeys(default_gather, name.endswith("gathered"))
-                fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
-                moe_forward_module.GATHER_ROWS = dict(default_gather)
+                module, attribute, value = variants.get(name, (None, None, None))
+                default = getattr(module, attribute, None)
+                if module is not None:
+                    setattr(module, attribute, value)
+                try:
+                    fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
+                finally:
+                    if module is not None:
+                        setattr(module, attribute, default)
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
-                line = (f"{model:<5} {routing:<7} {name:<19} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
+                line = (f"{model:<5} {routing:<7} {name:<21} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
                         f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f}")
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))

@@ -16,6 +16,7 @@ REPLACEMENTS = [
     (moe_backward_module, "moe_combine_bf16", emulate.moe_combine),
     (moe_backward_module, "moe_swiglu_bwd_bf16", emulate.moe_swiglu_bwd),
     (moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn),
+    (moe_backward_module, "m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous", emulate.m_grouped_gemm_nn_swiglu_bwd),
     (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
     (nvlink_module, "moe_combine_bf16", emulate.moe_combine),
     (nvlink_module, "ep_push_rows_bf16", emulate.ep_push_rows),

@@ -36,6 +36,11 @@ def all_kernels():
     for gather in (False, True):
         out.append((f"m_grouped_nt_swiglu{'_gather' if gather else ''}",
                     lambda g=gather: m_grouped_bf16.get_kernel(m_grouped_bf16.SWIGLU_CONFIG, False, g, True)))
+    for block_n in (128, 256):  # the SwiGLU-backward epilogue runs on the default config of N
+        for gather in (False, True):
+            out.append((f"m_grouped_nn_swiglu_bwd_{block_n}{'_gather' if gather else ''}",
+                        lambda b=block_n, g=gather: m_grouped_bf16.get_kernel(
+                            m_grouped_bf16.make_m_grouped_config(b), True, g, False, True)))
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 import deep_gemm.moe.forward as moe_forward_module  # noqa: E402
+import megamoe_bwd.backward as moe_backward_module  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
@@ -49,6 +50,7 @@ def emulated_gemms(monkeypatch):
 def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused):
     monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused, "backward": fused})
     monkeypatch.setattr(moe_forward_module, "FUSED_SWIGLU", fused)
+    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", fused)
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
@@ -90,6 +92,7 @@ def test_emulations_take_the_kernels_arguments():
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
+             (deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous, emulate.m_grouped_gemm_nn_swiglu_bwd),
              (deep_gemm.k_grouped_bf16_gemm_tn_contiguous, emulate.k_grouped_gemm_tn)]
     for kernel, emulation in pairs:
         real, emulated = inspect.signature(kernel).parameters, inspect.signature(emulation).parameters
@@ -291,6 +294,44 @@ def test_swiglu_kernels():
     assert dz_in.data_ptr() == h_in.data_ptr() and act_weighted_in.data_ptr() == d_act_in.data_ptr()
     assert torch.equal(dz_in[:routed], dz[:routed]) and torch.equal(act_weighted_in[:routed], act_weighted[:routed])
     assert torch.equal(row_dw_in[:routed], row_dw[:routed])
+
+
+@requires_sm90
+@pytest.mark.parametrize("I", [768, 320])  # 3 full 256-wide tiles; 128-wide tiles with a ragged last one
+@pytest.mark.parametrize("gather", [False, True])
+def test_swiglu_bwd_epilogue_matches_the_separate_pass(I, gather):
+    """dA's GEMM with the SwiGLU backward in its epilogue gives what the GEMM, then the pass over
+    bf16 dA, gives (the epilogue works from fp32 dA, so within rounding, not bitwise)."""
+    from deep_gemm.moe.glue import moe_gather_rows_bf16, moe_swiglu_bwd_bf16
+    T, H, E, K = 700, 512, 16, 6
+    p = make_moe_inputs(T, H, I, E, K, device="cuda", routing="skewed", empty_slot_frac=0.2)
+    layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
+    routed = int(layout.offsets[-1])
+    a, index = (p["dy"], layout.row_token) if gather else (moe_gather_rows_bf16(p["dy"], layout), None)
+    h = torch.randn(T * K, 2 * I, device="cuda", dtype=torch.bfloat16)
+    d_act = torch.empty(T * K, I, device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, p["l2"], d_act, layout.offsets, a_row_index=index)
+    ref_dz, ref_act_weighted, ref_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
+    dz, act_weighted = h.clone(), torch.full_like(d_act, float("nan"))
+    row_dw = deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a, p["l2"], act_weighted, dz, layout.row_weight,
+                                                                    layout.offsets, a_row_index=index)
+    assert relative_error(dz[:routed], ref_dz[:routed]) < 1e-2
+    assert relative_error(act_weighted[:routed], ref_act_weighted[:routed]) < 1e-2
+    assert relative_error(row_dw[:routed], ref_dw[:routed]) < 1e-2
+    assert torch.equal(dz[routed:], h[routed:]) and act_weighted[routed:].isnan().all()  # rows past the groups untouched
+    again = h.clone()  # deterministic
+    deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a, p["l2"], act_weighted, again, layout.row_weight,
+                                                           layout.offsets, a_row_index=index)
+    assert torch.equal(again, dz)
+
+
+@requires_sm90
+@pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES[:3], ids=[c[0] for c in GPU_CASES[:3]])
+def test_separate_swiglu_bwd_pass_meets_the_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty):
+    """The non-default path (SwiGLU backward outside the GEMM); the default runs in test_accuracy_bar."""
+    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", False)
+    for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
+        assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
 
 
 @requires_sm90

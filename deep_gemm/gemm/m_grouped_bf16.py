@@ -38,11 +38,13 @@ def all_configs() -> list[GemmConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False, swiglu: bool = False):
+def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False, swiglu: bool = False,
+               swiglu_bwd: bool = False):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
+    args = [config.block_n, config.num_stages, major, str(config.async_store).lower(), str(gather_a).lower(),
+            str(swiglu).lower()] + (["true"] if swiglu_bwd else [])
     return build_gemm_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
-                             [config.block_n, config.num_stages, major, str(config.async_store).lower(),
-                              str(gather_a).lower(), str(swiglu).lower()], config.smem_bytes)
+                             args, config.smem_bytes)
 
 
 # The SwiGLU epilogue's only variant: 256-wide tiles (128 gate + 128 up columns), staged stores.
@@ -54,8 +56,11 @@ _printed: set = set()
 
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
             config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor],
-            act: Optional[torch.Tensor] = None) -> None:
-    layout = "nn" if b_mn_major else ("nt_swiglu" if act is not None else "nt")
+            act: Optional[torch.Tensor] = None, swiglu_bwd: Optional[tuple] = None) -> None:
+    """`act`: the SwiGLU forward epilogue's second output; `swiglu_bwd`: (h, row_weight,
+    row_dw_part) of the SwiGLU backward epilogue, whose `d` is act_weighted."""
+    layout = "nn_swiglu_bwd" if swiglu_bwd is not None else ("nn" if b_mn_major else
+                                                            ("nt_swiglu" if act is not None else "nt"))
     check_tensor("a", a, torch.bfloat16, 2)
     check_tensor("b", b, torch.bfloat16, 3)
     check_tensor("d", d, torch.bfloat16, 2)
@@ -84,6 +89,17 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         if config is not None and config != SWIGLU_CONFIG:
             raise ValueError(f"the SwiGLU epilogue runs only as {SWIGLU_CONFIG}")
         config = SWIGLU_CONFIG
+    if swiglu_bwd is not None:
+        h, row_weight, row_dw_part = swiglu_bwd
+        check_tensor("h", h, torch.bfloat16, 2)
+        check_tensor("row_weight", row_weight, torch.float32, 1)
+        check_tensor("row_dw_part", row_dw_part, torch.float32, 2)
+        if tuple(h.shape) != (m, 2 * n) or row_weight.numel() != m:
+            raise ValueError(f"h must be [{m}, {2 * n}] and row_weight [{m}], got {tuple(h.shape)} and "
+                             f"{tuple(row_weight.shape)}")
+        config = config or get_config(n)
+        if tuple(row_dw_part.shape) != (m, -(-n // config.block_n)) or config.async_store:
+            raise ValueError(f"row_dw_part must be [{m}, ceil(N / {config.block_n})] (a synchronous-store config)")
     check_multiple("K", k, 8)
     check_multiple("N", n, 8)
     if max(m, a_rows, n, k) >= 2**31 or g * max(n, k) >= 2**31:
@@ -93,6 +109,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     extra = {} if a_row_index is None else {"a_row_index": a_row_index}
     if act is not None:
         extra["act"] = act
+    if swiglu_bwd is not None:
+        extra.update(h=h, row_weight=row_weight, row_dw_part=row_dw_part)
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **extra)
     if m == 0 or n == 0 or num_groups == 0:
         return
@@ -108,12 +126,16 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         tma_b = make_tma_2d_desc(b, g * k, n, 64, BLOCK_K)
     else:  # the SwiGLU epilogue loads a tile's gate and up rows as two half-height boxes
         tma_b = make_tma_2d_desc(b, g * n, k, 64, config.block_n // (2 if act is not None else 1))
-    params = pack_params([tma_a, tma_b], [d.data_ptr(), 0 if act is None else act.data_ptr(), group_offsets.data_ptr(),
-                                          0 if a_row_index is None else a_row_index.data_ptr(), a.data_ptr()],
+    aux = act if act is not None else (h if swiglu_bwd is not None else None)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    params = pack_params([tma_a, tma_b], [d.data_ptr(), ptr(aux), group_offsets.data_ptr(), ptr(a_row_index),
+                                          a.data_ptr(), ptr(row_weight if swiglu_bwd else None),
+                                          ptr(row_dw_part if swiglu_bwd else None)],
                          [m, n, k, num_groups, a_rows])
     num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
-    get_kernel(config, b_mn_major, a_row_index is not None, act is not None).launch(params, num_sms, device.index)
+    get_kernel(config, b_mn_major, a_row_index is not None, act is not None,
+               swiglu_bwd is not None).launch(params, num_sms, device.index)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -176,3 +198,34 @@ def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h
     Requires I a multiple of 128 and K a multiple of 8. Only rows inside a group are written.
     """
     _launch(a, b, h, group_offsets, False, None, a_row_index, act)
+
+
+def m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a: torch.Tensor, b: torch.Tensor, act_weighted: torch.Tensor,
+                                                 h: torch.Tensor, row_weight: torch.Tensor,
+                                                 group_offsets: torch.Tensor, *,
+                                                 a_row_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MoE backward's first GEMM with the SwiGLU backward in its epilogue: per group of rows,
+    ``D = A @ B[g]`` (= dL/d(act) before the routing weight w), kept in fp32 registers, then
+
+    - ``h = [g | u]`` is overwritten by its gradient ``dz`` for ``w * D``,
+    - ``act_weighted = w * silu(g) * u`` (dl2's operand),
+    - returns ``row_dw [M]`` fp32 = ``<D, silu(g) * u>`` per row (the routing-weight gradient).
+
+    Args:
+        a: ``[M, K]`` bf16 (or any number of rows with `a_row_index`, as in the nn GEMM).
+        b: ``[G, K, N]`` bf16 (the forward's second weight, N = I).
+        act_weighted: ``[M, N]`` bf16 output.
+        h: ``[M, 2N]`` bf16, read and overwritten in place.
+        row_weight: ``[M]`` fp32 routing weight of each row.
+        group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
+        a_row_index: optional int64 ``[M]`` row gather of `a`.
+
+    Only rows inside a group are written (row_dw is undefined elsewhere). K a multiple of 64,
+    N of 8. Deterministic: each row's sum is reduced in a fixed order.
+    """
+    check_tensor("act_weighted", act_weighted, torch.bfloat16, 2)
+    config = get_config(act_weighted.shape[1])
+    row_dw_part = torch.empty(act_weighted.shape[0], -(-act_weighted.shape[1] // config.block_n),
+                              device=act_weighted.device, dtype=torch.float32)
+    _launch(a, b, act_weighted, group_offsets, True, config, a_row_index, swiglu_bwd=(h, row_weight, row_dw_part))
+    return row_dw_part.sum(1)

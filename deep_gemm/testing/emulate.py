@@ -36,6 +36,21 @@ def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, *
     act.copy_(F.silu(gate) * up)
 
 
+def m_grouped_gemm_nn_swiglu_bwd(a, b, act_weighted, h, row_weight, group_offsets, *, a_row_index=None):
+    """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous` (D kept in float64)."""
+    d_act = torch.empty(act_weighted.shape, dtype=torch.float64, device=act_weighted.device)
+    _m_grouped(a, b, d_act, group_offsets, False, a_row_index)
+    gate, up = h.to(torch.float64).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    act = gate * sig * up
+    w = row_weight.to(torch.float64).unsqueeze(-1)
+    da = d_act * w
+    start, end = int(group_offsets[0]), int(group_offsets[-1])
+    h[start:end] = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1)[start:end].to(h.dtype)
+    act_weighted[start:end] = (act * w)[start:end].to(act_weighted.dtype)
+    return (d_act * act).sum(-1).to(torch.float32 if h.dtype != torch.float64 else torch.float64)
+
+
 def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, a_row_index=None, b_row_index=None, **_):
     """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
     if a_row_index is not None:

@@ -5,7 +5,11 @@
 // producer warpgroup (B still comes by TMA). With kSwiGLU (the MoE's
 // first GEMM, B = l1 [G, 2I, K] with gate rows then up rows), each 256-wide tile holds 128
 // gate columns and the matching 128 up columns, and the epilogue writes both halves of
-// D = h [M, 2I] and also act = silu(gate) * up into d_aux [M, I].
+// D = h [M, 2I] and also act = silu(gate) * up into d_aux [M, I]. With kSwiGLUBwd (the MoE
+// backward's first GEMM, D = dy_rows @ l2[e] = dL/d(act) before the routing weight w), the
+// epilogue runs the SwiGLU backward instead of storing D: from h = d_aux [M, 2I] it writes
+// dz = d[gate | up] of w * D over h, w * act into d, and each row's <D, act> over the tile's
+// columns into row_dw_part[row, n_tile] (summed over tiles by the caller: deterministic).
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
 // Persistent and warp-specialised: one TMA producer thread (a warpgroup with kGatherA), two
@@ -25,20 +29,24 @@ struct MGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (unused with kGatherA)
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     __nv_bfloat16* d;          // [M, N]
-    __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU, else unused
+    __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU; h [M, 2N] (in, then dz) with kSwiGLUBwd
     const int* group_offsets;  // [G + 1]
     const int64_t* a_row_index;  // [M] with kGatherA, else unused
     const __nv_bfloat16* a;      // with kGatherA: the source rows [a_rows, K]
+    const float* row_weight;     // [M] with kSwiGLUBwd
+    float* row_dw_part;          // [M, ceil(N / BLOCK_N)] with kSwiGLUBwd
     uint32_t m, n, k, num_groups, a_rows;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
 // (epilogue::store_rows_async) instead of 16-byte stores by the math threads.
-template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA, bool kSwiGLU>
+template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA, bool kSwiGLU,
+          bool kSwiGLUBwd = false>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
     static_assert(not kSwiGLU or (BLOCK_N == 256 and kMajorB == Major::kKMajor and not kAsyncStore),
                   "the SwiGLU epilogue pairs 128 gate with 128 up columns, staged synchronously");
+    static_assert(not kSwiGLUBwd or (not kSwiGLU and not kAsyncStore), "one epilogue at a time");
     constexpr uint32_t BLOCK_M = 128;
     constexpr uint32_t kStagingBytes = kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
                                                    : epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
@@ -135,6 +143,9 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
                 epilogue::store_bf16_staged<128>(act, staging, 1 + wg,
                                                  p.d_aux + static_cast<uint64_t>(tile.row_begin + row) * inter + col,
                                                  inter, num_rows, 128);
+            } else if constexpr (kSwiGLUBwd) {
+                epilogue::swiglu_bwd_direct<BLOCK_N>(acc, p.d_aux, p.d, p.row_weight, p.row_dw_part, p.n,
+                                                     tile.row_begin + row, num_rows, tile.n_begin);
             } else if constexpr (kAsyncStore)
                 epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
             else
