@@ -160,7 +160,7 @@ def main() -> None:
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe,
              "ours, SwiGLU bwd pass": mega_moe}
-    # Our variants: (module, attribute, value) set while they are timed (the others: a no-op).
+    # Our variants: (module, attribute, value) set while they are timed.
     variants = {"ours, rows copied": (moe_forward_module, "GATHER_ROWS", {"forward": False, "backward": False}),
                 "ours, rows gathered": (moe_forward_module, "GATHER_ROWS", {"forward": True, "backward": True}),
                 "ours, SwiGLU bwd pass": (moe_backward_module, "FUSED_SWIGLU_BWD", False)}
@@ -180,13 +180,15 @@ def main() -> None:
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             torch_total = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
-                module, attribute, value = variants.get(name, (moe_forward_module, "FUSED_SWIGLU", True))
-                default = getattr(module, attribute)
-                setattr(module, attribute, value)
+                override = variants.get(name)
+                saved = getattr(*override[:2]) if override else None
+                if override:
+                    setattr(*override)
                 try:
                     fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
                 finally:
-                    setattr(module, attribute, default)
+                    if override:
+                        setattr(*override[:2], saved)
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<21} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
