@@ -20,18 +20,35 @@ __device__ __forceinline__ SwiGLUGrad swiglu_grad(float gate, float up, float d_
 
 __device__ __forceinline__ float swiglu(float gate, float up) { return gate * sigmoid(gate) * up; }
 
+// Pulls the g, u columns `swiglu_bwd_direct` will read for a warpgroup's rows into L2 while the
+// tile's MMAs run: each thread one 128-byte line per 64 columns of one half of one row.
+template <uint32_t BLOCK_N>
+__device__ __forceinline__ void prefetch_swiglu_bwd_inputs(const __nv_bfloat16* h, uint32_t n, uint32_t first_row,
+                                                           uint32_t num_rows, uint32_t col0) {
+    const uint32_t thread = threadIdx.x % 128, r = thread / 2;
+    if (r >= num_rows)
+        return;
+    const __nv_bfloat16* half = h + static_cast<uint64_t>(first_row + r) * 2 * n + (thread % 2) * n;
+    #pragma unroll
+    for (uint32_t c = 0; c < BLOCK_N; c += 64) {
+        if (col0 + c < n)
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(half + col0 + c));
+    }
+}
+
 // The SwiGLU backward on a warpgroup's 64 x BLOCK_N accumulators D = dL/d(act) (before the
 // routing weight w), rows from `first_row` (the first `num_rows` exist), columns from `col0` of
 // N: reads g, u from h [*, 2N] (gate columns, then up), writes dz = d[g | u] of w * D over them,
 // w * act into act_weighted [*, N], and <D, act> over these columns into
 // row_dw_part[row, col0 / BLOCK_N]. Each thread reads and writes its own accumulators' bf16
-// pairs in place (layout: mma/wgmma_bf16.cuh), `kBatch` column groups of loads in flight.
+// pairs in place (layout: mma/wgmma_bf16.cuh), `kBatch` column groups of loads in flight (L2
+// hits after `prefetch_swiglu_bwd_inputs`).
 template <uint32_t BLOCK_N>
 __device__ __forceinline__ void swiglu_bwd_direct(const float (&acc)[BLOCK_N / 2], __nv_bfloat16* h,
                                                   __nv_bfloat16* act_weighted, const float* row_weight,
                                                   float* row_dw_part, uint32_t n, uint32_t first_row,
                                                   uint32_t num_rows, uint32_t col0) {
-    constexpr uint32_t kBatch = 8;
+    constexpr uint32_t kBatch = 8;  // more spills at BLOCK_N = 256 (168 registers at compile time)
     const uint32_t lane = ptx::lane_idx(), num_n_tiles = (n + BLOCK_N - 1) / BLOCK_N;
     #pragma unroll
     for (uint32_t half = 0; half < 2; ++half) {

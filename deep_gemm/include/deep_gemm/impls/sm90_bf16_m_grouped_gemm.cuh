@@ -119,13 +119,15 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         uint8_t* staging = smem.extra() + wg * kStagingBytes;
         float acc[BLOCK_N / 2];
         while (scheduler.next(tile)) {
+            const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
+            if constexpr (kSwiGLUBwd)
+                epilogue::prefetch_swiglu_bwd_inputs<BLOCK_N>(p.d_aux, p.n, tile.row_begin + row, num_rows, tile.n_begin);
             zero_accum(acc);
             consume_k_blocks<BLOCK_N, kNumStages, Major::kKMajor, kMajorB>(
                 smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {
                     if constexpr (kGatherA)  // cp.async wrote A through the generic proxy; WGMMA reads the async one
                         ptx::fence_view_async_shared();
                 });
-            const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
             __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
             if constexpr (kSwiGLU) {
                 // Accumulators 0..63 hold the gate columns, 64..127 the up columns at the same
