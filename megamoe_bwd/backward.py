@@ -1,7 +1,8 @@
 """Mega MoE backward on one GPU, bf16.
 
-dA = dy[rows] @ l2[e] (m-grouped nn) with, in its epilogue, the SwiGLU backward, the weighted
-activation w * a and the routing-weight gradient <dA, a> (or a separate pass) -> dl2 = dy[rows]^T @ (w * a)
+dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the weighted
+activation w * a and the routing-weight gradient <dA, a> (or all three in that GEMM's epilogue,
+FUSED_SWIGLU_BWD) -> dl2 = dy[rows]^T @ (w * a)
 (k-grouped) -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots, with
 dl1 = dz^T @ x[rows] (k-grouped) on a side stream beside the last two. Token rows of dy and x
 are copied to routed order first, or gathered by the GEMMs' loads (GATHER_ROWS["backward"]).
@@ -33,8 +34,12 @@ def _weight_grad_output(out: Optional[torch.Tensor], shape: tuple[int, int, int]
 
 
 # The SwiGLU backward and the routing-weight gradient in the epilogue of dA's GEMM (True), from
-# its fp32 accumulators, or in a separate pass over dA stored in bf16 (False).
-FUSED_SWIGLU_BWD = True
+# its fp32 accumulators, or in a separate pass over dA stored in bf16 (False). Measured on an
+# H200 (bwd ms, fused / separate, docs/PERF.md session 4): 30B 5.07 / 5.09 uniform, 5.39 / 5.24
+# skewed; 235B 18.75 / 18.29 uniform, 19.44 / 19.43 skewed. The epilogue's loads of h and its
+# three outputs are not hidden behind MMAs (one tile at a time per CTA), while the pass runs at
+# HBM bandwidth; so the pass is the default.
+FUSED_SWIGLU_BWD = False
 
 _side_streams: dict = {}
 

@@ -6,8 +6,8 @@ above the inputs, for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with
              token rows gathered by the forward GEMM's loads and copied before the backward
              GEMMs (the default, deep_gemm.moe.forward.GATHER_ROWS); as "ours, rows copied"
-             and "ours, rows gathered", one way in both passes; as "ours, SwiGLU bwd pass",
-             the SwiGLU backward outside dA's GEMM (megamoe_bwd.backward.FUSED_SWIGLU_BWD)
+             and "ours, rows gathered", one way in both passes; as "ours, SwiGLU bwd fused",
+             the SwiGLU backward in dA's GEMM epilogue (megamoe_bwd.backward.FUSED_SWIGLU_BWD)
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -159,11 +159,11 @@ def main() -> None:
         return
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe,
-             "ours, SwiGLU bwd pass": mega_moe}
+             "ours, SwiGLU bwd fused": mega_moe}
     # Our variants: (module, attribute, value) set while they are timed.
     variants = {"ours, rows copied": (moe_forward_module, "GATHER_ROWS", {"forward": False, "backward": False}),
                 "ours, rows gathered": (moe_forward_module, "GATHER_ROWS", {"forward": True, "backward": True}),
-                "ours, SwiGLU bwd pass": (moe_backward_module, "FUSED_SWIGLU_BWD", False)}
+                "ours, SwiGLU bwd fused": (moe_backward_module, "FUSED_SWIGLU_BWD", True)}
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -327,9 +327,9 @@ def test_swiglu_bwd_epilogue_matches_the_separate_pass(I, gather):
 
 @requires_sm90
 @pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES[:3], ids=[c[0] for c in GPU_CASES[:3]])
-def test_separate_swiglu_bwd_pass_meets_the_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty):
-    """The non-default path (SwiGLU backward outside the GEMM); the default runs in test_accuracy_bar."""
-    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", False)
+def test_fused_swiglu_bwd_meets_the_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty):
+    """The non-default path (SwiGLU backward in dA's GEMM epilogue); the default runs in test_accuracy_bar."""
+    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", True)
     for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
         assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
 
