@@ -3,10 +3,12 @@
 Our GEMMs are persistent (one CTA per SM holding its whole register file, static tile
 schedule), so an exchange kernel beside one only runs on SMs the GEMM leaves free. Per rank,
 at the EP=2 Qwen3-30B-A3B shape (16384 tokens, K = 8, 64 local experts), this times:
-  - the x push of the built-in path on S SMs' worth of CTAs (S = all, 32, 16, 8);
-  - GEMM1 (m-grouped nt, 2I x H, the rank's ~131072 routed rows) on G SMs;
-  - the push on S SMs launched first on a side stream, GEMM1 on the remaining SMs on this one,
-    and the same with GEMM1 on every SM;
+  - the x push of the built-in path with its default grid (4 CTAs per SM), and with S CTAs
+    (S = 64, 32, 16, 8: one per SM, as a GEMM CTA leaves no room for a second kernel's);
+  - GEMM1 (m-grouped nt, 2I x H, the rank's ~131072 routed rows) on all SMs and on the
+    other SMs - S;
+  - the push with S CTAs launched first on a side stream and GEMM1 on the other SMs on this
+    one, and the same with GEMM1 on every SM;
 and prints, for each S, what running them side by side saves against running them in turn.
 
     python scripts/bench_overlap.py [--num-processes 2] [--tokens 16384]
@@ -47,18 +49,17 @@ def worker(rank: int, world: int, tokens: int) -> None:
     offsets = (torch.arange(local + 1, device="cuda", dtype=torch.int32) * (rows // local))
     side = torch.cuda.Stream()
 
-    def push(sms: int) -> None:
-        set_num_sms(sms)
-        ep_push_rows_bf16(p["x"], plan.token, plan.dst_rank, plan.dst_row, buffer.region("recv_x"))
+    def push(ctas=None) -> None:
+        ep_push_rows_bf16(p["x"], plan.token, plan.dst_rank, plan.dst_row, buffer.region("recv_x"), num_ctas=ctas)
 
     def gemm(sms: int) -> None:
         set_num_sms(sms)
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, l1, h, offsets)
 
-    def side_by_side(push_sms: int, gemm_sms: int) -> None:
+    def side_by_side(push_ctas: int, gemm_sms: int) -> None:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            push(push_sms)
+            push(push_ctas)
         gemm(gemm_sms)
         torch.cuda.current_stream().wait_stream(side)
 
@@ -75,17 +76,19 @@ def worker(rank: int, world: int, tokens: int) -> None:
 
     warm_up_gpu()
     gemm_full = timed(lambda: gemm(num_sms))
-    lines = [f"GEMM1 alone on {num_sms} SMs: {gemm_full:.3f} ms (slowest rank)",
-             f"{'push SMs':>8} {'push ms':>8} {'GEMM ms, rest':>13} {'in turn':>8} {'side by side':>12} "
+    push_default = timed(push)
+    lines = [f"GEMM1 alone on {num_sms} SMs: {gemm_full:.3f} ms; push with 4 CTAs per SM: {push_default:.3f} ms "
+             "(slowest rank)",
+             f"{'push CTAs':>9} {'push ms':>8} {'GEMM ms, rest':>13} {'in turn':>8} {'side by side':>12} "
              f"{'saved':>6} {'beside full GEMM':>16}"]
-    for sms in (num_sms, 32, 16, 8):
-        push_ms = timed(lambda: push(sms))
-        rest = max(num_sms - sms, 1)
+    for ctas in (64, 32, 16, 8):
+        push_ms = timed(lambda: push(ctas))
+        rest = num_sms - ctas
         gemm_rest = timed(lambda: gemm(rest))
-        together = timed(lambda: side_by_side(sms, rest))
-        beside_full = timed(lambda: side_by_side(sms, num_sms))
-        in_turn = push_ms + gemm_full
-        lines.append(f"{sms:>8} {push_ms:>8.3f} {gemm_rest:>13.3f} {in_turn:>8.3f} {together:>12.3f} "
+        together = timed(lambda: side_by_side(ctas, rest))
+        beside_full = timed(lambda: side_by_side(ctas, num_sms))
+        in_turn = push_default + gemm_full
+        lines.append(f"{ctas:>9} {push_ms:>8.3f} {gemm_rest:>13.3f} {in_turn:>8.3f} {together:>12.3f} "
                      f"{in_turn - together:>6.3f} {beside_full:>16.3f}")
     set_num_sms(num_sms)
     if rank == 0:

@@ -140,6 +140,9 @@ def moe_combine_to_peers_bf16(rows: torch.Tensor, layout: RoutingLayout, weights
         if t.dtype != dtype or not t.is_contiguous() or t.numel() != (1 if name == "num_valid" else num_tokens):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of {1 if name == 'num_valid' else num_tokens} "
                              "elements")
+    if dst_rows.addresses is None or any(t.dim() != 2 or t.shape[1] != rows.shape[1] or t.dtype != rows.dtype
+                                         for t in dst_rows.tensors):
+        raise ValueError(f"dst_rows must be a GPU region of [*, {rows.shape[1]}] bf16 rows on every rank")
     check_cuda_devices(rows=rows, dst_rank=dst_rank, dst_row=dst_row, num_valid=num_valid)
     _combine(rows, layout, weights, [0, dst_rows.addresses.data_ptr(), dst_rank.data_ptr(), dst_row.data_ptr(),
                                      num_valid.data_ptr()], rows.device)
@@ -156,6 +159,8 @@ def _combine(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.
     if num_tokens == 0:
         return
     if weights is not None:
+        if tuple(weights.shape) != (num_tokens, num_topk):
+            raise ValueError(f"weights must be [{num_tokens}, {num_topk}], got {tuple(weights.shape)}")
         weights = weights.to(torch.float32).contiguous()
     _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
                             0 if weights is None else weights.data_ptr(), *out_pointers],
@@ -215,7 +220,7 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
 def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tensor], dst_rank: torch.Tensor,
                       dst_row: torch.Tensor, dst_rows: Optional[PeerRegion], *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
                  i32: Optional[torch.Tensor] = None, dst_i32: Optional[PeerRegion] = None,
-                 num_valid: Optional[torch.Tensor] = None) -> None:
+                 num_valid: Optional[torch.Tensor] = None, num_ctas: Optional[int] = None) -> None:
     """For each entry i < n = ``dst_row.numel()`` (and i < ``num_valid[0]`` when given, read
     on the GPU): writes row r = ``src_row[i]`` (i if `src_row` is None) of `src` as row
     ``dst_row[i]`` of rank ``dst_rank[i]``'s region `dst_rows`, and row r of `f32` / `i32`
@@ -225,7 +230,8 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
     src ``[*, H]`` bf16 (H % 8 == 0); f32 ``[*, C]`` float32 and i32 ``[*, C']`` int32, indexed
     like src; src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``; the destinations are
     regions of every rank's symmetric buffer (`SymmBuffer.region`) with rows of H, C, C'
-    elements. Stream-ordered; the caller barriers before peers read.
+    elements. Stream-ordered; the caller barriers before peers read. `num_ctas` sets the grid
+    (default 4 CTAs per SM; fewer leave SMs to kernels running beside the push).
     """
     if (src is None) != (dst_rows is None):
         raise ValueError("src needs its destination region dst_rows")
@@ -245,6 +251,8 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
         raise ValueError("each payload needs its destination region")
     if num_valid is not None and (num_valid.dtype != torch.int32 or num_valid.numel() != 1):
         raise ValueError("num_valid must be one int32 value")
+    if num_ctas is not None and num_ctas <= 0:
+        raise ValueError(f"num_ctas must be positive, got {num_ctas}")
     check_cuda_devices(**{name: t for name, t in (("src", src), ("src_row", src_row), ("dst_rank", dst_rank),
                                                  ("dst_row", dst_row), ("f32", f32), ("i32", i32),
                                                  ("num_valid", num_valid)) if t is not None})
@@ -255,4 +263,4 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
     cols = lambda t: 0 if t is None else t.shape[1]  # noqa: E731
     _launch("ep_push_rows", [ptr(src), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
                              ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
-            [n, hidden, cols(f32), cols(i32)], dst_row.device.index)
+            [n, hidden, cols(f32), cols(i32)], dst_row.device.index, num_ctas)

@@ -36,11 +36,12 @@ class RoutingLayout:
 
 def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
     """Sorts the (token, slot) pairs by expert, stably (token order within an expert, so the
-    layout and every result built on it are deterministic). topk_idx ``[T, K]`` int64 (ids
-    outside ``[0, E)`` are empty slots), topk_weights ``[T, K]`` float."""
+    layout and every result built on it are deterministic). topk_idx ``[T, K]`` integer (ids
+    outside ``[0, E)`` are empty slots; int64 on a GPU takes our kernels), topk_weights
+    ``[T, K]`` float."""
     from .glue import ROUTING_MAX_EXPERTS, moe_routing_layout  # (glue imports this module)
 
-    if topk_idx.is_cuda and 1 <= num_experts <= ROUTING_MAX_EXPERTS:
+    if topk_idx.is_cuda and topk_idx.dtype == torch.int64 and 1 <= num_experts <= ROUTING_MAX_EXPERTS:
         return moe_routing_layout(topk_idx, topk_weights, num_experts)
     return build_routing_layout_torch(topk_idx, topk_weights, num_experts)
 
