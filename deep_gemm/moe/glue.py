@@ -1,7 +1,9 @@
 """Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh, ep_*.cuh):
-the routing layout, the routed-row copy, SwiGLU forward, SwiGLU backward with the routing-weight gradient, the
-weighted combine, and the expert-parallel row push into other ranks' buffers. All bf16 with fp32 math, 16-byte accesses, no host sync
-(routed-row counts are read on the GPU), deterministic (no atomics)."""
+the routing layout, the routed-row copy, SwiGLU forward, SwiGLU backward with the
+routing-weight gradient, the weighted combine (into this rank or into the token owners'
+buffers), and the expert-parallel row push into other ranks' buffers. bf16 rows with fp32
+math and 16-byte accesses; no host sync (routed-row counts are read on the GPU);
+deterministic (the routing counts' shared-memory atomics only add integers)."""
 from __future__ import annotations
 
 import functools
@@ -135,11 +137,10 @@ def moe_combine_to_peers_bf16(rows: torch.Tensor, layout: RoutingLayout, weights
     dst_rank int32 ``[T]``, dst_row int64 ``[T]``, num_valid int32 ``[1]``. Stream-ordered; the
     caller barriers before peers read."""
     num_tokens = layout.slot_row.shape[0]
-    for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
-                           ("num_valid", num_valid, torch.int32)):
-        if t.dtype != dtype or not t.is_contiguous() or t.numel() != (1 if name == "num_valid" else num_tokens):
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {1 if name == 'num_valid' else num_tokens} "
-                             "elements")
+    for name, t, dtype, numel in (("dst_rank", dst_rank, torch.int32, num_tokens),
+                                  ("dst_row", dst_row, torch.int64, num_tokens), ("num_valid", num_valid, torch.int32, 1)):
+        if t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {numel} elements")
     if dst_rows.addresses is None or any(t.dim() != 2 or t.shape[1] != rows.shape[1] or t.dtype != rows.dtype
                                          for t in dst_rows.tensors):
         raise ValueError(f"dst_rows must be a GPU region of [*, {rows.shape[1]}] bf16 rows on every rank")
