@@ -168,6 +168,77 @@ def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather):
     assert torch.isnan(h[rows:]).all() and torch.isnan(act[rows:]).all()
 
 
+def _passes_problem(num_groups: int, num_passes: int, k: int, rows_per_pass: int = 700):
+    """Runs (g, s) of ragged sizes (some empty) and a gathered source in which pass s's rows
+    come from block s: ``(sizes [G * S], source [S * P, k], index)``."""
+    sizes = torch.randint(0, 300, (num_groups * num_passes,)).tolist()
+    sizes[1] = 0
+    passes = [s % num_passes for s, size in enumerate(sizes) for _ in range(size)]
+    index = torch.tensor(passes, dtype=torch.int64) * rows_per_pass + torch.randint(0, rows_per_pass, (len(passes),))
+    source = torch.randn(num_passes * rows_per_pass, k, device="cuda", dtype=torch.bfloat16)
+    return sizes, source, index.cuda()
+
+
+@requires_sm90
+@pytest.mark.parametrize("swiglu", [False, True], ids=["nt", "nt_swiglu"])
+@pytest.mark.parametrize("num_passes", [1, 2, 8])
+def test_m_grouped_passes(num_passes, swiglu):
+    """Rows in runs (group, pass): run (g, s) multiplies with B[g], whatever the pass."""
+    num_groups, n, k = 6, 512, 256
+    sizes, source, index = _passes_problem(num_groups, num_passes, k)
+    m = sum(sizes)
+    b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    d = torch.full((m + 3, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    index = torch.cat([index, index.new_zeros(3)])  # 3 rows past every run: untouched
+    flags = torch.ones(num_passes, dtype=torch.int32, device="cuda")
+    passes = dict(num_passes=num_passes, ready_flags=flags)
+    if swiglu:
+        act = torch.full((m + 3, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, d, act, offsets_from_sizes(sizes),
+                                                            a_row_index=index, **passes)
+    else:
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(source, b, d, offsets_from_sizes(sizes), a_row_index=index,
+                                                    **passes)
+    run_group = [g for g in range(num_groups) for _ in range(num_passes)]
+    ref = torch.cat([source[index[:m]][sum(sizes[:r]):sum(sizes[:r + 1])].float() @ b[run_group[r]].float().T
+                     for r in range(len(sizes))])
+    assert relative_error(d[:m], ref) < BF16_TOL
+    assert torch.isnan(d[m:]).all()
+    if swiglu:
+        gate, up = ref.chunk(2, dim=-1)
+        assert relative_error(act[:m], torch.nn.functional.silu(gate) * up) < BF16_TOL
+        assert torch.isnan(act[m:]).all()
+
+
+@requires_sm90
+def test_m_grouped_passes_wait_for_their_rows():
+    """A pass's rows are read only after its flag is set: here they are NaN until another stream
+    writes them (after a sleep) and then sets the flag, while the GEMM already runs."""
+    from deep_gemm.jit.runtime import stream_write_u32
+    num_groups, num_passes, n, k, per_pass = 4, 3, 256, 512, 700
+    sizes, source, index = _passes_problem(num_groups, num_passes, k, per_pass)
+    real = source.clone()
+    source[per_pass:] = float("nan")  # passes 1 and 2 not landed yet
+    b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    d = torch.empty(sum(sizes), n, device="cuda", dtype=torch.bfloat16)
+    flags = torch.zeros(num_passes, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in (2, 1):  # the later pass lands first
+            torch.cuda._sleep(20_000_000)
+            source[s * per_pass:(s + 1) * per_pass].copy_(real[s * per_pass:(s + 1) * per_pass])
+            stream_write_u32(flags[s:].data_ptr(), 1, source.device.index)
+    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(source, b, d, offsets_from_sizes(sizes), a_row_index=index,
+                                                num_passes=num_passes, ready_flags=flags)
+    torch.cuda.current_stream().wait_stream(side)
+    run_group = [g for g in range(num_groups) for _ in range(num_passes)]
+    ref = torch.cat([real[index][sum(sizes[:r]):sum(sizes[:r + 1])].float() @ b[run_group[r]].float().T
+                     for r in range(len(sizes))])
+    assert not torch.isnan(d).any(), "a pass was read before its flag was set"
+    assert relative_error(d, ref) < BF16_TOL
+
+
 @requires_sm90
 def test_deterministic():
     sizes = random_group_sizes(4096, 16, "skewed")
@@ -220,6 +291,19 @@ def _offs(*sizes):
 def test_m_grouped_rejects_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(*args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_passes=0), "num_passes must be in"),
+    (dict(num_passes=33), "num_passes must be in"),
+    (dict(num_passes=2), "not a multiple of num_passes"),
+    (dict(num_passes=3, ready_flags=torch.ones(2, dtype=torch.int32)), "ready_flags needs 3 entries"),
+])
+def test_m_grouped_passes_reject_bad_input(kwargs, match):
+    a, b, d = _bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32)
+    offsets = _offs(4, 4, 0) if kwargs["num_passes"] != 2 else _offs(8)
+    with pytest.raises(ValueError, match=match):
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets, **kwargs)
 
 
 def test_row_index_must_be_int64():

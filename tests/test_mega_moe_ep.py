@@ -224,22 +224,18 @@ def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
     return SymmBuffer([storage], 0, None, E_LOCAL, max_tokens, K, H, barrier=lambda: None)
 
 
-def test_plan_sends_each_token_once_per_rank():
-    from deep_gemm.moe.ep import build_ep_plan
-    idx = torch.tensor([[2, 0, -1, 3], [-1, -1, -1, -1], [3, 3, -1, 0]])
-    plan = build_ep_plan(idx, _one_rank_buffer())
-    assert plan.dst_row.tolist() == [0, -1, 1], "tokens with an expert here, in order; the empty one stays"
-    assert plan.num_recv.tolist() == [2]
-    assert plan.pairs.slot_valid.flatten().tolist() == [True, False, True]
-
-
-def test_plan_checks_the_receive_capacity():
-    from deep_gemm.moe.ep import build_ep_plan
-    storage = torch.zeros(SymmBuffer.nbytes(1, 8, K, H, max_recv_tokens=2), dtype=torch.uint8)
-    buffer = SymmBuffer([storage], 0, None, E_LOCAL, 8, K, H, barrier=lambda: None, max_recv_tokens=2)
-    build_ep_plan(torch.tensor([[0, 1, -1, -1], [2, 3, 0, -1], [-1, -1, -1, -1]]), buffer)  # 2 tokens fit
-    with pytest.raises(ValueError, match="exceeds the buffer's 2 receive tokens"):
-        build_ep_plan(torch.tensor([[0, 1, 2, -1], [2, 3, 0, -1], [1, -1, -1, -1]]), buffer)
+def test_plan_places_each_token_in_pass_order_on_the_ranks_of_its_experts():
+    from deep_gemm.moe.ep import announce_call, build_ep_plan
+    storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
+    buffer = SymmBuffer(storages, 1, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None)  # rank 1 of 2
+    announce_call(SymmBuffer(storages, 0, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None), 0)  # rank 0, no tokens
+    idx = torch.tensor([[2, 0, -1, 3], [-1, -1, -1, -1], [3, 5, -1, 0], [7, -1, -1, -1]])  # experts 4.. on rank 1
+    plan = build_ep_plan(idx, buffer)
+    # Pairs (token, rank): on rank 0 this rank's tokens are pass 1 (rows 8 + t), here pass 0 (rows t).
+    assert plan.dst_row.view(4, 2).tolist() == [[8, -1], [-1, -1], [10, 2], [-1, 3]]
+    assert plan.dst_rank.view(4, 2).tolist() == [[0, 1]] * 4
+    assert plan.pairs.slot_valid.tolist() == [[True, False], [False, False], [True, True], [False, True]]
+    assert plan.source_tokens.tolist() == [0, 4], "every rank writes its token count into every buffer"
 
 
 def test_ranks_in_different_calls_are_stopped():

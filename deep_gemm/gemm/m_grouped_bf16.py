@@ -13,6 +13,7 @@ from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, ch
 from .common import BLOCK_K, BLOCK_M, GemmConfig, build_gemm_kernel, make_config, row_staging_bytes
 
 _BLOCK_NS = (128, 256)
+MAX_PASSES = 32  # the kernel's producer keeps one bit per pass
 
 
 def _staging_bytes(block_n: int, async_store: bool) -> int:
@@ -56,15 +57,26 @@ _printed: set = set()
 
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
             config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor],
-            act: Optional[torch.Tensor] = None, swiglu_bwd: Optional[tuple] = None) -> None:
+            act: Optional[torch.Tensor] = None, swiglu_bwd: Optional[tuple] = None, num_passes: int = 1,
+            ready_flags: Optional[torch.Tensor] = None) -> None:
     """`act`: the SwiGLU forward epilogue's second output; `swiglu_bwd`: (h, row_weight,
-    row_dw_part) of the SwiGLU backward epilogue, whose `d` is act_weighted."""
+    row_dw_part) of the SwiGLU backward epilogue, whose `d` is act_weighted; `num_passes`,
+    `ready_flags`: see `m_grouped_bf16_gemm_nt_contiguous`."""
     layout = "nn_swiglu_bwd" if swiglu_bwd is not None else ("nn" if b_mn_major else
                                                             ("nt_swiglu" if act is not None else "nt"))
     check_tensor("a", a, torch.bfloat16, 2)
     check_tensor("b", b, torch.bfloat16, 3)
     check_tensor("d", d, torch.bfloat16, 2)
-    num_groups = check_group_offsets(group_offsets)
+    if not 1 <= num_passes <= MAX_PASSES:
+        raise ValueError(f"num_passes must be in [1, {MAX_PASSES}], got {num_passes}")
+    num_runs = check_group_offsets(group_offsets)
+    if num_runs % num_passes:
+        raise ValueError(f"group_offsets describes {num_runs} runs, not a multiple of num_passes = {num_passes}")
+    num_groups = num_runs // num_passes
+    if ready_flags is not None:
+        check_tensor("ready_flags", ready_flags, torch.int32, 1)
+        if ready_flags.numel() < num_passes:
+            raise ValueError(f"ready_flags needs {num_passes} entries, has {ready_flags.numel()}")
     a_rows, k = a.shape
     m = a_rows
     if a_row_index is not None:
@@ -76,7 +88,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     else:
         g, n, k_b = b.shape
     if g != num_groups:
-        raise ValueError(f"b has {g} groups but group_offsets describes {num_groups}")
+        raise ValueError(f"b has {g} groups but group_offsets describes {num_groups}"
+                         + (f" ({num_passes} passes each)" if num_passes > 1 else ""))
     if k_b != k:
         raise ValueError(f"contraction sizes differ: a has K = {k}, b has K = {k_b}")
     if tuple(d.shape) != (m, n):
@@ -111,6 +124,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         extra["act"] = act
     if swiglu_bwd is not None:
         extra.update(h=h, row_weight=row_weight, row_dw_part=row_dw_part)
+    if ready_flags is not None:
+        extra["ready_flags"] = ready_flags
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **extra)
     if m == 0 or n == 0 or num_groups == 0:
         return
@@ -130,9 +145,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     params = pack_params([tma_a, tma_b], [d.data_ptr(), ptr(aux), group_offsets.data_ptr(), ptr(a_row_index),
                                           a.data_ptr(), ptr(row_weight if swiglu_bwd else None),
-                                          ptr(row_dw_part if swiglu_bwd else None)],
-                         [m, n, k, num_groups, a_rows])
-    num_tiles_bound = (m // BLOCK_M + num_groups) * ((n + config.block_n - 1) // config.block_n)
+                                          ptr(row_dw_part if swiglu_bwd else None), ptr(ready_flags)],
+                         [m, n, k, num_groups, a_rows, num_passes])
+    num_tiles_bound = (m // BLOCK_M + num_runs) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
     get_kernel(config, b_mn_major, a_row_index is not None, act is not None,
                swiglu_bwd is not None).launch(params, num_sms, device.index)
@@ -140,7 +155,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
-                                      config: Optional[GemmConfig] = None) -> None:
+                                      config: Optional[GemmConfig] = None, num_passes: int = 1,
+                                      ready_flags: Optional[torch.Tensor] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g].T`` (MoE forward), in place into `d`.
 
     Args:
@@ -155,10 +171,19 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             has M rows. Indices outside ``[0, T)`` read zeros.
         config: force a kernel variant (one of `deep_gemm.gemm.m_grouped_bf16.all_configs()`);
             the default picks by N.
+        num_passes: S >= 1. With S > 1, each group's rows come in S runs back to back and
+            `group_offsets` has ``G * S + 1`` entries: run (g, s) owns rows
+            ``[group_offsets[g * S + s], group_offsets[g * S + s + 1])``. The kernel works pass by
+            pass (every group's run s before any run s + 1).
+        ready_flags: optional int32 ``[>= S]`` on the GPU: tiles of pass s > 0 read A only once
+            ``ready_flags[s] != 0``, so that rows still being copied in (by another stream, e.g.
+            a copy engine, which then sets the flag) are read after they land while earlier
+            passes already run. The writer must not depend on this kernel finishing; a wait of
+            ~10 s traps.
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
-    _launch(a, b, d, group_offsets, False, config, a_row_index)
+    _launch(a, b, d, group_offsets, False, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -182,7 +207,8 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
 
 def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, act: torch.Tensor,
                                              group_offsets: torch.Tensor, *,
-                                             a_row_index: Optional[torch.Tensor] = None) -> None:
+                                             a_row_index: Optional[torch.Tensor] = None, num_passes: int = 1,
+                                             ready_flags: Optional[torch.Tensor] = None) -> None:
     """The MoE's first GEMM with SwiGLU in its epilogue: ``h = A @ B[g].T`` and
     ``act = silu(h[:, :I]) * h[:, I:]`` (from the fp32 accumulators), per group of rows.
 
@@ -194,10 +220,12 @@ def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h
         act: ``[M, I]`` bf16 output.
         group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
         a_row_index: optional int64 ``[M]`` row gather of `a`.
+        num_passes, ready_flags: rows in passes that wait for their data, as in
+            `m_grouped_bf16_gemm_nt_contiguous`.
 
     Requires I a multiple of 128 and K a multiple of 8. Only rows inside a group are written.
     """
-    _launch(a, b, h, group_offsets, False, None, a_row_index, act)
+    _launch(a, b, h, group_offsets, False, None, a_row_index, act, num_passes=num_passes, ready_flags=ready_flags)
 
 
 def m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a: torch.Tensor, b: torch.Tensor, act_weighted: torch.Tensor,

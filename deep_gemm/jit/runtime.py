@@ -55,6 +55,15 @@ def _ensure_context(device: int) -> None:
         check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(dev))))
 
 
+def stream_write_u32(address: int, value: int, device: int) -> None:
+    """Writes the 32-bit `value` to device memory at `address`, in order on the device's current
+    stream: after everything queued before it has finished and its writes are visible (the
+    driver's stream memory operation; no SM runs it, so it can signal a kernel already running)."""
+    _ensure_context(device)
+    check(cu.cuStreamWriteValue32(cu.CUstream(_current_raw_stream(device)), cu.CUdeviceptr(address), value,
+                                  cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+
+
 class Kernel:
     """A compiled kernel (entry `entry`), loaded once per device on first launch."""
 

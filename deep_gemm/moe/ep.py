@@ -1,11 +1,12 @@
-"""Exchange plan of the built-in expert-parallel path: where each token goes.
+"""Exchange plan of the built-in expert-parallel path: which rows go where.
 
-A token goes once to every rank that holds at least one of its experts (not once per slot:
-at EP=2 with K=8 that is about a quarter of the rows). Every rank counts the tokens it sends
-to each rank, writes its counts into every rank's buffer (so each rank sees the whole
-[src, dst] matrix), and from that matrix alone each sender computes the exact row each of its
-tokens lands on in each receiver's buffer (receivers hold their tokens by source rank, in
-token order). No host synchronisation and no second exchange.
+Every rank stages its tokens in its symmetric buffer; every other rank copies them in whole
+(the forward's x, by the copy engines, while GEMM1 works on the rank's own tokens) or is pushed
+the ones that name one of its experts (the backward's dy). A receiver holds the tokens of all
+ranks in *pass order*: pass s holds the tokens of rank ``(rank + s) % world`` in rows
+``[s * M, (s + 1) * M)`` (M = the buffer's max tokens per rank; rows past a rank's token count
+are empty), its own tokens first. Each rank's token count goes into every rank's buffer, so no
+host synchronisation and no second exchange is needed.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..jit.runtime import stream_write_u32
+from .forward import RowArrival
 from .layout import RoutingLayout
 from .symm import SymmBuffer
 
@@ -23,18 +26,18 @@ class EpPlan:
 
     token:    int64 ``[T * world]``: the pair's token.
     dst_rank: int32 ``[T * world]``: the pair's rank r.
-    dst_row:  int64 ``[T * world]``: the row the token lands on in rank r's receive region;
-              -1 if none of the token's experts lives on r (not sent).
+    dst_row:  int64 ``[T * world]``: the token's row among rank r's pass-ordered received
+              tokens, ``((rank - r) % world) * M + t``; -1 if none of its experts lives on r.
     pairs:    token-side layout for summing each token's results over the ranks it went to
               (``slot_row`` is the pair, ``slot_valid`` whether the token went there).
-    num_recv: int32 ``[1]`` on the GPU: the tokens this rank receives.
+    source_tokens: int32 ``[world]`` on the GPU: the token count of every rank.
     """
 
     token: torch.Tensor
     dst_rank: torch.Tensor
     dst_row: torch.Tensor
     pairs: RoutingLayout
-    num_recv: torch.Tensor
+    source_tokens: torch.Tensor
 
 
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
@@ -61,44 +64,63 @@ def check_calls(buffer: SymmBuffer) -> None:
 
 def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
     """Collective over the buffer's group (one barrier; also checks that every rank is in the
-    same exchange). `topk_idx` ``[T, K]`` int64 holds
-    global expert ids (expert e on rank ``e // E_local``); ids outside ``[0, E)`` are empty."""
+    same exchange): every rank announces its token count. `topk_idx` ``[T, K]`` int64 holds
+    global expert ids (expert e on rank ``e // E_local``); ids outside ``[0, E)`` are empty.
+    Whatever a rank staged in its buffer before this call is readable by the others after it."""
     num_tokens = topk_idx.shape[0]
     world, me, device = buffer.world, buffer.rank, topk_idx.device
     valid = (topk_idx >= 0) & (topk_idx < buffer.num_experts)
     rank_of = torch.where(valid, topk_idx // buffer.num_local_experts, world)  # world: nowhere
     in_rank = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, rank_of, True)
     in_rank = in_rank[:, :world].contiguous()
-    counts = in_rank.sum(0, dtype=torch.int32)
 
     # No barrier first: every exchange ends with one that each rank reaches only after its last
-    # read of the receive regions, and counts and calls were read before that.
+    # read of the others' buffers and of its receive regions, and the counts were read before that.
     announce_call(buffer, 0)
-    for peer_counts in buffer.region("counts").tensors:
-        peer_counts[me].copy_(counts)
+    for peer_tokens in buffer.region("num_tokens").tensors:
+        peer_tokens[me:me + 1].fill_(num_tokens)
     buffer.barrier()
     check_calls(buffer)
-    matrix = buffer.local["counts"].to(torch.int64)  # [src, dst]
+    source_tokens = buffer.local["num_tokens"].clone()
 
-    # Every rank checks every receiver's capacity (all see the same matrix, so all stop).
-    fits = matrix.sum(0).le(buffer.max_recv_tokens).all()
-    message = f"an expert-parallel exchange exceeds the buffer's {buffer.max_recv_tokens} receive tokens per rank"
-    if device.type == "cuda":
-        torch._assert_async(fits, message)  # before any token moves: stream order stops the pushes
-    elif not bool(fits):
-        raise ValueError(message)
-
-    # Receiver r holds its tokens by source rank: this rank's block starts after the tokens of
-    # the ranks before it, and a token's place in the block is its order among those sent to r.
-    block_start = (matrix.cumsum(0) - matrix)[me]  # [dst]
-    # Scanned along the inner dimension: torch's scan down the columns of a [T, world] tensor
-    # took 1.7 ms at T = 16384 on an H200 (measured), more than the exchange itself.
-    position = in_rank.t().to(torch.int64).contiguous().cumsum(1).t() - 1
-    dst_row = torch.where(in_rank, block_start + position, -1).flatten()
     pair = torch.arange(num_tokens * world, device=device)
-    token = pair // world
+    token, dst_rank = pair // world, pair % world
+    dst_row = torch.where(in_rank.flatten(), (me - dst_rank) % world * buffer.max_tokens + token, -1)
     pairs = RoutingLayout(offsets=torch.zeros(1, dtype=torch.int32, device=device), row_token=token,
                           row_weight=torch.empty(0, device=device), slot_row=pair.view(num_tokens, world),
                           slot_valid=in_rank)
-    return EpPlan(token=token, dst_rank=(pair % world).to(torch.int32), dst_row=dst_row, pairs=pairs,
-                  num_recv=matrix[:, me].sum().to(torch.int32).reshape(1))
+    return EpPlan(token=token, dst_rank=dst_rank.to(torch.int32), dst_row=dst_row, pairs=pairs,
+                  source_tokens=source_tokens)
+
+
+def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor) -> tuple[torch.Tensor, RowArrival]:
+    """All ranks' staged rows of `region` (each rank's ``[M, C]`` rows, staged before
+    `build_ep_plan`'s barrier), in pass order: ``[world * M, C]``, this rank's `own` ``[T, C]``
+    first, copied on the current stream; the others' copied in by the copy engines (no SM) on the
+    buffer's copy stream, each pass setting ``buffer.ready_flags[s]`` once it has landed.
+
+    Returns the rows and their `RowArrival` (with `run_offsets`, the layout's per-(expert, pass)
+    offsets), whose ``join`` the caller must reach before the rows are read other than by a
+    GEMM that waits on the flags. On the CPU the copies are synchronous."""
+    world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
+    rows = own.new_empty(world * max_tokens, own.shape[1])
+    rows[:own.shape[0]].copy_(own)
+    peers = buffer.region(region).tensors
+    stream, flags = buffer.copy_stream, buffer.ready_flags
+    if stream is None:
+        for s in range(1, world):
+            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])
+        return rows, RowArrival(run_offsets, world, None, lambda: None)
+
+    current = torch.cuda.current_stream(own.device)
+    stream.wait_stream(current)  # after the barrier: the peers' rows are staged
+    with torch.cuda.stream(stream):
+        for s in range(1, world):
+            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
+            stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+
+    def join() -> None:
+        current.wait_stream(stream)
+        flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
+
+    return rows, RowArrival(run_offsets, world, flags, join)

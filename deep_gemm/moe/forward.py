@@ -6,7 +6,7 @@ SwiGLU runs in its epilogue, and a separate kernel does the weighted combine. No
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -96,19 +96,49 @@ def routed_rows(t: torch.Tensor, layout: RoutingLayout, gather: bool) -> tuple[t
     return moe_gather_rows_bf16(t, layout), None
 
 
-def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor,
-                    l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class RowArrival:
+    """Token rows still landing when the forward starts (expert parallelism): they come in S
+    passes, pass s complete once ``ready_flags[s] != 0``; within each expert, the layout's rows
+    are sorted by pass.
+
+    run_offsets: int32 ``[E * S + 1]``: expert e's rows of pass s are
+                 ``[run_offsets[e * S + s], run_offsets[e * S + s + 1])``.
+    num_passes:  S.
+    ready_flags: int32 ``[S]`` on the GPU, or None (nothing to wait on: `join` first).
+    join:        makes the current stream wait until every row has landed.
+    """
+
+    run_offsets: torch.Tensor
+    num_passes: int
+    ready_flags: Optional[torch.Tensor]
+    join: Callable[[], None]
+
+
+def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2: torch.Tensor,
+                    arrival: Optional[RowArrival] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' work on a built layout: ``(h, out)``, GEMM1's output ``h [T * K, 2I]`` and
-    GEMM2's unweighted rows ``out [T * K, H]``, in routed-row order (rows past offsets[E] unwritten)."""
+    GEMM2's unweighted rows ``out [T * K, H]``, in routed-row order (rows past offsets[E] unwritten).
+    With `arrival`, GEMM1 gathering x's rows works pass by pass, each pass once its rows have
+    landed (rows copied first wait for all of them)."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
-    a, index = routed_rows(x, layout, GATHER_ROWS["forward"])
+    gather, offsets, passes = GATHER_ROWS["forward"], layout.offsets, {}
+    if arrival is not None:
+        if not gather or arrival.ready_flags is None:
+            arrival.join()
+        if gather:
+            offsets = arrival.run_offsets
+            passes = dict(num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
+    a, index = routed_rows(x, layout, gather)
     if FUSED_SWIGLU and two_inter % 256 == 0:
         act = x.new_empty(num_slots, two_inter // 2)
-        m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, layout.offsets, a_row_index=index)
+        m_grouped_bf16_gemm_nt_swiglu_contiguous(a, l1, h, act, offsets, a_row_index=index, **passes)
     else:
-        m_grouped_bf16_gemm_nt_contiguous(a, l1, h, layout.offsets, a_row_index=index)
+        m_grouped_bf16_gemm_nt_contiguous(a, l1, h, offsets, a_row_index=index, **passes)
         act = moe_swiglu_fwd_bf16(h, layout)
+    if arrival is not None:
+        arrival.join()
     out = x.new_empty(num_slots, hidden)
     m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
     return h, out

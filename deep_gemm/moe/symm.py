@@ -31,17 +31,16 @@ class PeerRegion:
     addresses: Optional[torch.Tensor]
 
 
-def _regions(world: int, max_tokens: int, num_topk: int, hidden: int, max_recv: int) -> list:
-    """(name, shape, dtype) of every region; up to `max_recv` tokens can be received."""
+def _regions(world: int, max_tokens: int, num_topk: int, hidden: int) -> list:
+    """(name, shape, dtype) of every region."""
     return [
-        ("x", (max_tokens, hidden), torch.bfloat16),  # for callers that stage their inputs here
+        # This rank's tokens, read by the others (the caller may stage its inputs here).
+        ("x", (max_tokens, hidden), torch.bfloat16),
         ("topk_idx", (max_tokens, num_topk), torch.int64),
         ("topk_weights", (max_tokens, num_topk), torch.float32),
-        ("counts", (world, world), torch.int32),  # [src, dst]: tokens src sends to dst
+        ("num_tokens", (world,), torch.int32),  # each rank's token count
         ("calls", (world,), torch.int64),  # which exchange each rank is in (see ep.announce_call)
-        ("recv_x", (max_recv, hidden), torch.bfloat16),  # tokens received (x, then dy), by source rank
-        ("recv_meta", (max_recv, num_topk + 1), torch.int32),  # their global expert ids, then origin
-        ("recv_weights", (max_recv, num_topk), torch.float32),  # their routing weights
+        ("recv_x", (world * max_tokens, hidden), torch.bfloat16),  # dy rows pushed in, in pass order (ep.py)
         ("back", (max_tokens * world, hidden), torch.bfloat16),  # results per (own token, expert rank)
         ("back_dw", (max_tokens * world, num_topk), torch.float32),  # routing-weight gradients, likewise
     ]
@@ -70,18 +69,14 @@ class SymmBuffer:
     stream-ordered barrier of the group."""
 
     def __init__(self, storages: list, rank: int, group: Optional[dist.ProcessGroup], num_experts: int,
-                 max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None],
-                 max_recv_tokens: Optional[int] = None):
+                 max_tokens: int, num_topk: int, hidden: int, barrier: Callable[[], None]):
         world = len(storages)
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
         self.rank, self.world, self.group = rank, world, group
         self.num_experts, self.num_local_experts = num_experts, num_experts // world
         self.max_tokens, self.num_topk, self.hidden = max_tokens, num_topk, hidden
-        # Every token of the world may go to one rank; a smaller capacity saves memory (here
-        # and in each layer's expert-side activations) and is checked at each exchange.
-        self.max_recv_tokens = max_recv_tokens or world * max_tokens
-        self._regions = _regions(world, max_tokens, num_topk, hidden, self.max_recv_tokens)
+        self._regions = _regions(world, max_tokens, num_topk, hidden)
         offsets, _ = _layout(self._regions)
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
@@ -90,10 +85,14 @@ class SymmBuffer:
         # Peer addresses for the kernels, built now: later, a host-to-device copy would block
         # the host and could not be captured in a CUDA graph.
         self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
+        # This rank's own (not shared) arrival flags and copy stream (ep.pull_tokens); none on the CPU.
+        device = self.local["x"].device
+        self.ready_flags = torch.zeros(world, dtype=torch.int32, device=device) if device.type == "cuda" else None
+        self.copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     @staticmethod
-    def nbytes(world: int, max_tokens: int, num_topk: int, hidden: int, max_recv_tokens: Optional[int] = None) -> int:
-        return _layout(_regions(world, max_tokens, num_topk, hidden, max_recv_tokens or world * max_tokens))[1]
+    def nbytes(world: int, max_tokens: int, num_topk: int, hidden: int) -> int:
+        return _layout(_regions(world, max_tokens, num_topk, hidden))[1]
 
     def _make_region(self, name: str) -> PeerRegion:
         tensors = tuple(peer[name] for peer in self._peers)
@@ -115,8 +114,7 @@ class SymmBuffer:
 
 
 def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts: int, num_max_tokens_per_rank: int,
-                                 num_topk: int, hidden: int, intermediate_hidden: int,
-                                 num_max_recv_tokens: Optional[int] = None) -> SymmBuffer:
+                                 num_topk: int, hidden: int, intermediate_hidden: int) -> SymmBuffer:
     """Allocates (collectively: every rank of `group` must call it with the same arguments)
     the symmetric buffer of the built-in NVLink expert-parallel MoE.
 
@@ -128,21 +126,16 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         num_topk: K, slots per token.
         hidden: H.
         intermediate_hidden: I (the buffer itself holds no intermediate activations).
-        num_max_recv_tokens: the most tokens one rank may receive in one layer call (a token
-            goes once to each rank holding one of its experts); default ``world * T``, always
-            safe. Each layer's expert-side activations are sized by it too, so with balanced
-            routing a smaller value saves memory at large world sizes; an exchange that would
-            exceed it fails a device-side assert before any token moves.
 
-    Returns a `SymmBuffer` of about ``(R + world * T) * H * 2`` bytes per rank (R = the receive
-    capacity in tokens); reuse it for every layer. Also compiles the exchange kernels now, so
+    Returns a `SymmBuffer` of about ``(2 * world + 1) * T * H * 2`` bytes per rank (T =
+    num_max_tokens_per_rank: each rank may receive every token of the group); reuse it for
+    every layer. Every exchange copies whole regions of T rows, so T should be close to the
+    tokens a rank actually passes. Also compiles the exchange kernels now, so
     that no rank compiles inside a barrier of the first layer (ranks wait at most
     DG_EP_BARRIER_TIMEOUT_MS, default 10 min, for each other). NVLink multicast stays off
     (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
     del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged
-    if num_max_recv_tokens is not None and num_max_recv_tokens <= 0:
-        raise ValueError(f"num_max_recv_tokens must be positive, got {num_max_recv_tokens}")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (DESIGN.md)
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -150,7 +143,7 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = SymmBuffer.nbytes(world, num_max_tokens_per_rank, num_topk, hidden, num_max_recv_tokens)
+    nbytes = SymmBuffer.nbytes(world, num_max_tokens_per_rank, num_topk, hidden)
     storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     handle = symm_mem.rendezvous(storage, group.group_name)
     # The allocation may sit inside a pool segment: peers' copies are at the same offset.
@@ -166,7 +159,6 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, extra) for r in range(world)]
     precompile_exchange_kernels()
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
-                        barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS),
-                        max_recv_tokens=num_max_recv_tokens)
+                        barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS))
     buffer.handle = handle  # keeps the mapping alive
     return buffer

@@ -10,18 +10,19 @@ def _bounds(group_offsets: torch.Tensor):
     return list(zip(offsets[:-1], offsets[1:]))
 
 
-def _m_grouped(a, b, d, group_offsets, transpose_b: bool, a_row_index=None):
+def _m_grouped(a, b, d, group_offsets, transpose_b: bool, a_row_index=None, num_passes: int = 1):
     if a_row_index is not None:
         a = a.index_select(0, a_row_index)
     d.fill_(float("nan"))
-    for g, (start, end) in enumerate(_bounds(group_offsets)):
+    for run, (start, end) in enumerate(_bounds(group_offsets)):  # run g * S + s uses group g's B
+        g = run // num_passes
         w = b[g].T if transpose_b else b[g]
         d[start:end] = (a[start:end].to(torch.float64) @ w.to(torch.float64)).to(d.dtype)
 
 
-def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, **_):
-    """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_contiguous`."""
-    _m_grouped(a, b, d, group_offsets, True, a_row_index)
+def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, **_):
+    """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_contiguous` (ready_flags: nothing to wait for)."""
+    _m_grouped(a, b, d, group_offsets, True, a_row_index, num_passes)
 
 
 def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
@@ -29,9 +30,9 @@ def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
     _m_grouped(a, b, d, group_offsets, False, a_row_index)
 
 
-def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, **_):
+def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous`."""
-    _m_grouped(a, b, h, group_offsets, True, a_row_index)
+    _m_grouped(a, b, h, group_offsets, True, a_row_index, num_passes)
     gate, up = h.chunk(2, dim=-1)
     act.copy_(F.silu(gate) * up)
 

@@ -1,24 +1,24 @@
-"""Our expert-parallel MoE over NVLink, version 1: each token pushed once into the buffer of
-every rank holding one of its experts, by our kernel (`deep_gemm.moe.glue.ep_push_rows_bf16`)
-through the peers' symmetric-memory addresses; our single-GPU layer on each rank's received
-tokens (with their top-k ids made local, -1 for experts elsewhere); each rank's partial
-outputs pushed back into the token owners' buffers and summed there. No NCCL, no host
-synchronisation. Not yet overlapped: each exchange completes (a barrier) before the kernels
-that read it start.
+"""Our expert-parallel MoE over NVLink, version 2: the forward's token exchange overlaps GEMM1.
 
-Forward:  plan (counts all-gathered) -> push x (+ top-k ids, weights, origin) -> barrier ->
-          the single-GPU experts' GEMMs -> combine over this rank's slots, written straight into
-          the owners' buffers -> barrier -> sum over ranks.
-Backward: push dy -> barrier -> the single-GPU backward (weight gradients on a side stream),
-          its dx rows summed over this rank's slots straight into the owners' buffers -> push
-          routing-weight gradients back -> barrier -> sum over ranks.
-Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's.
+Forward:  stage x, top-k ids and weights in this rank's buffer -> plan (token counts; one
+          barrier) -> read every rank's top-k ids, build the layout of this rank's experts over
+          all ranks' tokens in pass order (own tokens first) -> the copy engines pull the other
+          ranks' x on a side stream while GEMM1 (gathering rows, SwiGLU epilogue) works pass by
+          pass, its tiles of pass s waiting on that pass's arrival flag -> GEMM2 -> combine over
+          this rank's slots, written straight into the owners' buffers -> barrier -> sum over
+          ranks.
+Backward: push dy into the ranks holding the token's experts (our kernel, peer addresses) ->
+          barrier -> the single-GPU backward (weight gradients on a side stream), its dx rows
+          summed over this rank's slots straight into the owners' buffers -> push routing-weight
+          gradients back -> barrier -> sum over ranks.
+Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
+NCCL, no host synchronisation. See deep_gemm.moe.ep for the pass order.
 """
 from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls
+from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls, pull_tokens
 from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_expert_rows
 from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16, moe_combine_to_peers_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
@@ -27,46 +27,58 @@ from deep_gemm.moe.symm import SymmBuffer
 from ..backward import mega_moe_backward
 
 
+def _stage(region: torch.Tensor, t: torch.Tensor) -> None:
+    if t.data_ptr() != region.data_ptr():  # the caller may have staged it already
+        region[:t.shape[0]].copy_(t)
+
+
 class _NvlinkMegaMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer: SymmBuffer):
-        (num_tokens, hidden), num_topk = x.shape, topk_idx.shape[1]
-        me, world, num_local = buffer.rank, buffer.world, buffer.num_local_experts
+        num_tokens, num_topk = topk_idx.shape
+        me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
+            _stage(buffer.local[name], t)
         plan = build_ep_plan(topk_idx, buffer)
-        origin = me * buffer.max_tokens + torch.arange(num_tokens, device=x.device)
-        meta = torch.cat([topk_idx, origin.unsqueeze(1)], 1).to(torch.int32)
-        ep_push_rows_bf16(x, plan.token, plan.dst_rank, plan.dst_row, buffer.region("recv_x"),
-                     f32=topk_weights.to(torch.float32).contiguous(), dst_f32=buffer.region("recv_weights"),
-                     i32=meta, dst_i32=buffer.region("recv_meta"))
-        buffer.barrier()
 
-        # Received tokens with their experts made local (-1: elsewhere, or no token in that row).
-        recv_meta = buffer.local["recv_meta"].to(torch.int64)  # a copy: the buffer is reused
-        arrived = torch.arange(recv_meta.shape[0], device=x.device) < plan.num_recv
-        expert = recv_meta[:, :num_topk] - me * num_local
-        local_idx = torch.where(arrived.unsqueeze(1) & (expert >= 0) & (expert < num_local), expert, -1)
-        local_weights = torch.where(local_idx >= 0, buffer.local["recv_weights"], 0.0)
-        back_rank = (recv_meta[:, num_topk] // buffer.max_tokens).to(torch.int32)
-        back_row = recv_meta[:, num_topk] % buffer.max_tokens * world + me
-        recv_x = buffer.local["recv_x"].clone()  # kept for the weight gradient of l1
-        layout = build_routing_layout(local_idx, local_weights, num_local)
-        h, rows = moe_expert_rows(recv_x, layout, l1, l2)
+        # Every rank's tokens in pass order (pass s: rank (me + s) % world), with their experts
+        # made local (-1: elsewhere, or no token in that row).
+        order = [(me + s) % world for s in range(world)]
+        recv_idx = torch.cat([buffer.region("topk_idx").tensors[r] for r in order])
+        recv_weights = torch.cat([buffer.region("topk_weights").tensors[r] for r in order])
+        row = torch.arange(world * max_tokens, device=x.device)
+        pass_of, token = row // max_tokens, row % max_tokens
+        source = (pass_of + me) % world
+        arrived = token < plan.source_tokens.to(torch.int64).index_select(0, source)
+        expert = recv_idx - me * num_local
+        mine = arrived.unsqueeze(1) & (expert >= 0) & (expert < num_local)
+        local_weights = torch.where(mine, recv_weights, 0.0)
+        # Sorted by (expert, pass): GEMM1 runs pass by pass; the other kernels see experts only.
+        runs = build_routing_layout(torch.where(mine, expert * world + pass_of.unsqueeze(1), -1), local_weights,
+                                    num_local * world)
+        layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
+                               runs.slot_valid)
+        recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
+        h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival)
+
         # Each received token's weighted sum over this rank's experts goes straight to its owner.
-        moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"),
-                                  plan.num_recv)
+        back_rank = source.to(torch.int32)
+        back_row = torch.where(mine.any(1), token * world + me, -1)
+        num_recv = torch.full((1,), world * max_tokens, dtype=torch.int32, device=x.device)
+        moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"), num_recv)
         del rows
         buffer.barrier()
-        y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(num_tokens, hidden))
+        y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(x.shape))
         ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
         ctx.save_for_backward(l1, l2, recv_x, h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row,
-                              layout.slot_valid, back_rank, back_row, plan.token, plan.dst_rank, plan.dst_row,
-                              plan.pairs.slot_row, plan.pairs.slot_valid, plan.num_recv)
+                              layout.slot_valid, back_rank, back_row, num_recv, plan.token, plan.dst_rank,
+                              plan.dst_row, plan.pairs.slot_row, plan.pairs.slot_valid)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (l1, l2, recv_x, h, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row, token, dst_rank,
-         dst_row, pair_row, pair_valid, num_recv) = ctx.saved_tensors
+        (l1, l2, recv_x, h, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row, num_recv, token,
+         dst_rank, dst_row, pair_row, pair_valid) = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
         (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
         dy = dy.contiguous()

@@ -10,6 +10,10 @@
 // epilogue runs the SwiGLU backward instead of storing D: from h = d_aux [M, 2I] it writes
 // dz = d[gate | up] of w * D over h, w * act into d, and each row's <D, act> over the tile's
 // columns into row_dw_part[row, n_tile] (summed over tiles by the caller: deterministic).
+// With num_passes S > 1, group_offsets splits each group's rows into S runs (see
+// scheduler::MGroupedScheduler), tiles go pass by pass, and the producer waits for
+// ready_flags[s] before reading A for a tile of pass s > 0: the MoE's expert-parallel forward
+// starts on its own tokens while other ranks' tokens are still being copied in.
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
 // Persistent and warp-specialised: one TMA producer thread (a warpgroup with kGatherA), two
@@ -35,7 +39,8 @@ struct MGroupedGemmParams {
     const __nv_bfloat16* a;      // with kGatherA: the source rows [a_rows, K]
     const float* row_weight;     // [M] with kSwiGLUBwd
     float* row_dw_part;          // [M, ceil(N / BLOCK_N)] with kSwiGLUBwd
-    uint32_t m, n, k, num_groups, a_rows;
+    const int* ready_flags;      // [num_passes] or null: A's rows of pass s > 0 are read once ready_flags[s] != 0
+    uint32_t m, n, k, num_groups, a_rows, num_passes;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
@@ -59,7 +64,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
 
     start_gemm<kGatherA>(smem, &p.tensor_map_a, &p.tensor_map_b);
 
-    Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n);
+    Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.m, p.n);
     typename Scheduler::Tile tile;
     PipelineState pipe;
 
@@ -74,7 +79,12 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         // source of tile row 4 w + l % 4 + 16 (l / 4) (-1: zeros, for rows past the group and
         // indices out of range); the lanes that copy a row fetch it with a shuffle.
         constexpr uint32_t kTxBytes = kGatherA ? Smem::kBytesB : Smem::kBytesPerStage;
+        uint32_t passes_ready = 1;  // bit s: ready_flags[s] seen set (pass 0 never waits)
         while (scheduler.next(tile)) {
+            if (p.ready_flags != nullptr and not (passes_ready >> tile.pass & 1)) {
+                ptx::wait_global_flag(p.ready_flags + tile.pass);
+                passes_ready |= 1u << tile.pass;
+            }
             int32_t my_src = -1;
             if constexpr (kGatherA) {
                 const uint32_t lane = t % 32, row = 4 * (t / 32) + lane % 4 + 16 * (lane / 4);

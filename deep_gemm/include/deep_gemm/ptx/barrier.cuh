@@ -45,6 +45,25 @@ struct alignas(8) MBarrier {
     }
 };
 
+// Spins until the int at `flag` (global memory; set by a stream-ordered write of another
+// stream, e.g. after a copy engine filled the data it guards) is non-zero, then makes the data
+// it guards visible to this thread's later loads, TMA ones included. Traps after ~10 s, like
+// MBarrier::wait, instead of hanging.
+__device__ __forceinline__ void wait_global_flag(const int* flag) {
+    constexpr long long kTimeoutCycles = 1ll << 34;
+    const long long start = clock64();
+    while (true) {
+        int value;
+        asm volatile("ld.acquire.sys.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+        if (value != 0)
+            break;
+        if (clock64() - start > kTimeoutCycles)
+            __trap();
+        __nanosleep(256);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // Makes barrier initialisation visible to the async proxy before any TMA uses it.
 __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -16,45 +16,53 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
 // Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
 // Tiles are ordered by group, then M block, then N block, so CTAs running at the same time
 // share their A rows and the group's B in L2.
+//
+// With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
+// entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
+// ordered by pass first (all groups' runs of pass 0, then of pass 1, ...), so rows that arrive
+// late (an expert-parallel exchange fills pass s > 0) are reached last.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N>
 struct MGroupedScheduler {
     struct Tile {
-        uint32_t group, row_begin, num_rows, n_begin;
+        uint32_t group, pass, row_begin, num_rows, n_begin;
     };
 
     const int* offsets;
-    uint32_t num_groups, num_n_blocks, num_rows_total;
-    uint32_t next_tile, group = 0, group_tile_begin = 0;
-    uint32_t group_row_begin = 0, group_row_end = 0, group_num_tiles = 0;
+    uint32_t num_groups, num_passes, num_n_blocks, num_rows_total;
+    uint32_t next_tile, run = 0, run_tile_begin = 0;  // run = pass * num_groups + group
+    uint32_t run_row_begin = 0, run_row_end = 0, run_num_tiles = 0;
 
-    __device__ __forceinline__ MGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t m, uint32_t n)
-        : offsets(offsets), num_groups(num_groups), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
+    __device__ __forceinline__ MGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t num_passes,
+                                                 uint32_t m, uint32_t n)
+        : offsets(offsets), num_groups(num_groups), num_passes(num_passes), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
           num_rows_total(m), next_tile(blockIdx.x) {
-        load_group();
+        load_run();
     }
 
-    __device__ __forceinline__ void load_group() {
-        if (group >= num_groups)
+    __device__ __forceinline__ void load_run() {
+        if (run >= num_groups * num_passes)
             return;
-        group_row_begin = clamped_offset(offsets, group, 0, num_rows_total);
-        group_row_end = clamped_offset(offsets, group + 1, group_row_begin, num_rows_total);
-        group_num_tiles = ptx::ceil_div(group_row_end - group_row_begin, BLOCK_M) * num_n_blocks;
+        const uint32_t slot = (run % num_groups) * num_passes + run / num_groups;
+        run_row_begin = clamped_offset(offsets, slot, 0, num_rows_total);
+        run_row_end = clamped_offset(offsets, slot + 1, run_row_begin, num_rows_total);
+        run_num_tiles = ptx::ceil_div(run_row_end - run_row_begin, BLOCK_M) * num_n_blocks;
     }
 
     __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
         next_tile += gridDim.x;
-        while (group < num_groups and idx >= group_tile_begin + group_num_tiles) {
-            group_tile_begin += group_num_tiles;
-            ++group;
-            load_group();
+        while (run < num_groups * num_passes and idx >= run_tile_begin + run_num_tiles) {
+            run_tile_begin += run_num_tiles;
+            ++run;
+            load_run();
         }
-        if (group >= num_groups)
+        if (run >= num_groups * num_passes)
             return false;
-        const uint32_t local = idx - group_tile_begin;
-        tile.group = group;
-        tile.row_begin = group_row_begin + (local / num_n_blocks) * BLOCK_M;
-        tile.num_rows = min(BLOCK_M, group_row_end - tile.row_begin);
+        const uint32_t local = idx - run_tile_begin;
+        tile.group = run % num_groups;
+        tile.pass = run / num_groups;
+        tile.row_begin = run_row_begin + (local / num_n_blocks) * BLOCK_M;
+        tile.num_rows = min(BLOCK_M, run_row_end - tile.row_begin);
         tile.n_begin = (local % num_n_blocks) * BLOCK_N;
         return true;
     }
