@@ -55,7 +55,8 @@ def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
                       weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None,
                       dl2: Optional[torch.Tensor] = None, keep_handle: bool = False,
-                      combine_dx: Optional[Callable[[torch.Tensor, RoutingLayout], Optional[torch.Tensor]]] = None
+                      combine_dx: Optional[Callable[[torch.Tensor, RoutingLayout, torch.Tensor],
+                                                    Optional[torch.Tensor]]] = None
                       ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
@@ -65,8 +66,10 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         handle: from ``bf16_mega_moe(..., training=True)``.
         weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
         dl1, dl2: optional existing gradients (fp32 or bf16) to accumulate into, in place.
-        combine_dx: for expert parallelism: called with dx's routed rows ``[T * K, H]`` and the
-            layout in place of the local sum over slots; what it returns is returned as dx.
+        combine_dx: for expert parallelism: called with dx's routed rows ``[T * K, H]``, the
+            layout and dtopk_weights in place of the local sum over slots, while dl1's GEMM may
+            still run on a side stream (so an asynchronous exchange it starts overlaps that GEMM);
+            what it returns is returned as dx.
         keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
             gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
             so a saved copy of it cannot be reused silently) and a second backward with it
@@ -129,15 +132,15 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, dl1, offsets, accumulate=accumulate_dl1, b_row_index=x_index)
             del x_rows  # back to the side stream's pool now: only later side-stream work can reuse it
 
+        dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
+                                    .view_as(layout.slot_row), 0.0)
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
         m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
         if combine_dx is None:
             dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
         else:
-            dx = combine_dx(dxs, layout)
+            dx = combine_dx(dxs, layout, dtopk_weights)
         del dxs
-        dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
-                                    .view_as(layout.slot_row), 0.0)
     finally:  # join even on an error, before the side stream's inputs can be freed
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)

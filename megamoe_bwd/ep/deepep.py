@@ -9,8 +9,11 @@ adjoint is a dispatch of dy with the cached handle, dispatch's adjoint a combine
 received-token gradients (and of the routing-weight gradients, which are zero on slots
 another rank holds, so summing gives each slot's gradient).
 
-Not yet overlapped: each exchange completes before our kernels run. DeepEP reads the number
-of received tokens on the host (one sync per dispatch).
+Overlap: the backward's combine of dx runs asynchronously (`async_finish`, on DeepEP's stream)
+beside the weight gradient of l1, which our backward runs last on a side stream. The other
+exchanges have nothing to overlap with: every expert kernel needs the dispatched tokens, and
+the forward's combine is its last step. DeepEP reads the number of received tokens on the host
+(one sync per dispatch).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from deep_gemm.moe.forward import bf16_mega_moe, check_moe_inputs
+from deep_gemm.moe.glue import moe_combine_bf16
+from deep_gemm.moe.layout import RoutingLayout
 
 from ..backward import mega_moe_backward
 
@@ -54,10 +59,17 @@ class _DeepEPMegaMoE(torch.autograd.Function):
     def backward(ctx, dy):
         l1, l2 = ctx.saved_tensors
         recv_dy = ctx.buffer.dispatch(dy.contiguous(), handle=ctx.handle)[0]
-        d_recv_x, d_recv_weights, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, ctx.moe_handle,
-                                                               weight_grad_dtype=l1.dtype)
-        dx, dtopk_weights, _ = ctx.buffer.combine(d_recv_x, ctx.handle, topk_weights=d_recv_weights)
-        return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None, None
+        combined = {}
+
+        def combine_async(rows: torch.Tensor, layout: RoutingLayout, d_recv_weights: torch.Tensor) -> None:
+            d_recv_x = moe_combine_bf16(rows, layout, None, rows.new_empty(recv_dy.shape))
+            combined["dx"], combined["dtopk"], combined["event"] = ctx.buffer.combine(
+                d_recv_x, ctx.handle, topk_weights=d_recv_weights, async_finish=True)  # (records its tensors' streams)
+
+        _, _, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, ctx.moe_handle, weight_grad_dtype=l1.dtype,
+                                           combine_dx=combine_async)
+        combined["event"].current_stream_wait()
+        return combined["dx"], None, combined["dtopk"].to(ctx.weights_dtype), dl1, dl2, None, None
 
 
 def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

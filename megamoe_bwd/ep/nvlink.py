@@ -88,7 +88,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         check_calls(buffer)
 
         handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
-        def to_owners(rows: torch.Tensor, layout: RoutingLayout) -> None:  # each token's dx rows, summed
+        def to_owners(rows: torch.Tensor, layout: RoutingLayout, _dtopk: torch.Tensor) -> None:  # dx rows, summed
             moe_combine_to_peers_bf16(rows, layout, None, back_rank, back_row, buffer.region("back"), num_recv)
 
         _, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
