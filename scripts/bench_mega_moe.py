@@ -17,7 +17,9 @@ and writes a PNG bar chart next to the table (`--plot`).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
-(`ep_mega_moe_nvlink`, tokens pushed through a symmetric buffer), ours over DeepEP when it is
+(`ep_mega_moe_nvlink`: x pulled by the copy engines while GEMM1 starts on the rank's own
+tokens, dy pushed by our kernel; and the same with the pull finished before GEMM1, "no
+overlap"), ours over DeepEP when it is
 installed (`ep_mega_moe_deep_ep`), our interim path (the all-to-all exchange around our fused
 layer, `ep_mega_moe_nccl`) and the compute-only time of
 each rank's work (torch._grouped_mm on uniform groups, and our single-GPU layer on T tokens
@@ -43,6 +45,7 @@ import megamoe_bwd.backward as moe_backward_module  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
 from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
+from deep_gemm.moe import ep as ep_module  # noqa: E402
 from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
                            launch, make_deep_ep_buffer)
 from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
@@ -205,6 +208,15 @@ def main() -> None:
         plot(results, args.plot)
 
 
+def nvlink_without_overlap(*args):
+    """`ep_mega_moe_nvlink` with the other ranks' tokens copied in before GEMM1 starts."""
+    ep_module.OVERLAP_PULL = False
+    try:
+        return ep_mega_moe_nvlink(*args)
+    finally:
+        ep_module.OVERLAP_PULL = True
+
+
 def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, profile_nvlink: bool = False) -> None:
     """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers
     (and, with `profile_nvlink`, its kernel profile of the NVLink path)."""
@@ -241,6 +253,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                 timings = {
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
                     "ours, nvlink": time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
+                    "nvlink no overlap": time_fwd_bwd(lambda *a: nvlink_without_overlap(*a, buffer), inputs, p["dy"]),
                     "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     **({"ours, deep_ep": time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer), inputs,
                                                       p["dy"])} if deep_ep_buffer is not None else {}),

@@ -47,9 +47,8 @@ def announce_call(buffer: SymmBuffer, kind: int) -> None:
     or raised on its own) would otherwise pair up the wrong barriers and read each other's
     half-written rows; this stops them with an error instead."""
     buffer.num_calls += 1
-    tag = torch.full((1,), 2 * buffer.num_calls + kind, dtype=torch.int64, device=buffer.local["calls"].device)
     for peer_calls in buffer.region("calls").tensors:
-        peer_calls[buffer.rank:buffer.rank + 1].copy_(tag)
+        peer_calls[buffer.rank:buffer.rank + 1].fill_(2 * buffer.num_calls + kind)
 
 
 def check_calls(buffer: SymmBuffer) -> None:
@@ -62,27 +61,30 @@ def check_calls(buffer: SymmBuffer) -> None:
         raise RuntimeError(message)
 
 
-def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
-    """Collective over the buffer's group (one barrier; also checks that every rank is in the
-    same exchange): every rank announces its token count. `topk_idx` ``[T, K]`` int64 holds
-    global expert ids (expert e on rank ``e // E_local``); ids outside ``[0, E)`` are empty.
-    Whatever a rank staged in its buffer before this call is readable by the others after it."""
+def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
+    """Starts a forward exchange: collective over the buffer's group (one barrier). Returns every
+    rank's token count, int32 ``[world]`` on the GPU. Whatever a rank staged in its buffer before
+    this call is readable by the others after it. The caller runs `check_calls` before the
+    exchange's last barrier (it may come later: the check is asynchronous anyway)."""
+    # No barrier first: every exchange ends with one that each rank reaches only after its last
+    # read of the others' buffers and of its receive regions, and the counts were read before that.
+    announce_call(buffer, 0)
+    for peer_tokens in buffer.region("num_tokens").tensors:
+        peer_tokens[buffer.rank:buffer.rank + 1].fill_(num_tokens)
+    buffer.barrier()
+    return buffer.local["num_tokens"].clone()
+
+
+def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer, source_tokens: torch.Tensor) -> EpPlan:
+    """Where this rank's tokens go; no communication. `topk_idx` ``[T, K]`` int64 holds global
+    expert ids (expert e on rank ``e // E_local``; ids outside ``[0, E)`` are empty),
+    `source_tokens` is from `exchange_token_counts`."""
     num_tokens = topk_idx.shape[0]
     world, me, device = buffer.world, buffer.rank, topk_idx.device
     valid = (topk_idx >= 0) & (topk_idx < buffer.num_experts)
     rank_of = torch.where(valid, topk_idx // buffer.num_local_experts, world)  # world: nowhere
     in_rank = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, rank_of, True)
     in_rank = in_rank[:, :world].contiguous()
-
-    # No barrier first: every exchange ends with one that each rank reaches only after its last
-    # read of the others' buffers and of its receive regions, and the counts were read before that.
-    announce_call(buffer, 0)
-    for peer_tokens in buffer.region("num_tokens").tensors:
-        peer_tokens[me:me + 1].fill_(num_tokens)
-    buffer.barrier()
-    check_calls(buffer)
-    source_tokens = buffer.local["num_tokens"].clone()
-
     pair = torch.arange(num_tokens * world, device=device)
     token, dst_rank = pair // world, pair % world
     dst_row = torch.where(in_rank.flatten(), (me - dst_rank) % world * buffer.max_tokens + token, -1)
@@ -91,6 +93,11 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer) -> EpPlan:
                           slot_valid=in_rank)
     return EpPlan(token=token, dst_rank=dst_rank.to(torch.int32), dst_row=dst_row, pairs=pairs,
                   source_tokens=source_tokens)
+
+
+# Whether GEMM1 starts on this rank's own tokens while the others' are copied in (True), or the
+# copies finish first (False; kept so that benchmarks can show what the overlap saves).
+OVERLAP_PULL = True
 
 
 def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor) -> tuple[torch.Tensor, RowArrival]:
@@ -123,4 +130,4 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
         current.wait_stream(stream)
         flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
-    return rows, RowArrival(run_offsets, world, flags, join)
+    return rows, RowArrival(run_offsets, world, flags if OVERLAP_PULL else None, join)

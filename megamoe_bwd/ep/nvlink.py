@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls, pull_tokens
+from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls, exchange_token_counts, pull_tokens
 from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_expert_rows
 from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16, moe_combine_to_peers_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
@@ -39,31 +39,30 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
             _stage(buffer.local[name], t)
-        plan = build_ep_plan(topk_idx, buffer)
+        source_tokens = exchange_token_counts(buffer, num_tokens)
 
-        # Every rank's tokens in pass order (pass s: rank (me + s) % world), with their experts
-        # made local (-1: elsewhere, or no token in that row).
-        order = [(me + s) % world for s in range(world)]
-        recv_idx = torch.cat([buffer.region("topk_idx").tensors[r] for r in order])
-        recv_weights = torch.cat([buffer.region("topk_weights").tensors[r] for r in order])
-        row = torch.arange(world * max_tokens, device=x.device)
-        pass_of, token = row // max_tokens, row % max_tokens
-        source = (pass_of + me) % world
-        arrived = token < plan.source_tokens.to(torch.int64).index_select(0, source)
+        # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
+        # with their experts made local (-1: elsewhere, or no token in that row). GEMM1 is launched
+        # with as few host-side ops before it as possible: the GPU would wait for them.
+        recv_idx = torch.stack([buffer.region("topk_idx").tensors[(me + s) % world] for s in range(world)])
+        recv_weights = torch.stack([buffer.region("topk_weights").tensors[(me + s) % world] for s in range(world)])
+        arrived = torch.arange(max_tokens, device=x.device) < source_tokens.roll(-me).unsqueeze(1)  # [pass, token]
         expert = recv_idx - me * num_local
-        mine = arrived.unsqueeze(1) & (expert >= 0) & (expert < num_local)
-        local_weights = torch.where(mine, recv_weights, 0.0)
-        # Sorted by (expert, pass): GEMM1 runs pass by pass; the other kernels see experts only.
-        runs = build_routing_layout(torch.where(mine, expert * world + pass_of.unsqueeze(1), -1), local_weights,
-                                    num_local * world)
+        mine = (expert >= 0) & (expert < num_local) & arrived.unsqueeze(2)
+        run = expert * world + torch.arange(world, device=x.device).view(world, 1, 1)  # sorted by (expert, pass)
+        local_weights = torch.where(mine, recv_weights, 0.0).view(-1, num_topk)
+        runs = build_routing_layout(torch.where(mine, run, -1).view(-1, num_topk), local_weights, num_local * world)
         layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
                                runs.slot_valid)
         recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
         h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival)
+        check_calls(buffer)
+        plan = build_ep_plan(topk_idx, buffer, source_tokens)
 
         # Each received token's weighted sum over this rank's experts goes straight to its owner.
-        back_rank = source.to(torch.int32)
-        back_row = torch.where(mine.any(1), token * world + me, -1)
+        back_rank = ((torch.arange(world, device=x.device) + me) % world).to(torch.int32).repeat_interleave(max_tokens)
+        token = torch.arange(max_tokens, device=x.device).repeat(world)
+        back_row = torch.where(mine.any(2).flatten(), token * world + me, -1)
         num_recv = torch.full((1,), world * max_tokens, dtype=torch.int32, device=x.device)
         moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"), num_recv)
         del rows
