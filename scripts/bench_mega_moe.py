@@ -99,6 +99,19 @@ def profile(fn, inputs, dy, title: str, show: bool = True) -> None:
                                                              max_name_column_width=40, max_shapes_column_width=70),
           flush=True)
     print_gpu_gaps(prof)
+    if os.environ.get("BENCH_TIMELINE"):
+        print_timeline(prof)
+
+
+def print_timeline(prof, limit: int = 120) -> None:
+    """Every GPU activity of the profile in start order: offset, duration, name (BENCH_TIMELINE=1)."""
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not events:
+        return
+    t0 = events[0][0]
+    for start, end, name in events[:limit]:
+        print(f"  {(start - t0) / 1e3:8.3f} ms  {(end - start) / 1e3:7.3f}  {name[:70]}")
 
 
 def print_gpu_gaps(prof, top: int = 8) -> None:
