@@ -7,10 +7,11 @@ tokens. At the EP=2 Qwen3-30B-A3B shape (2 x T tokens, K = 8 of 128 experts, thi
 this times:
     plain     GEMM1 over the expert-sorted layout (one run per expert)
     passes    the same rows in (expert, pass) runs, flags already set
-    + copy    passes while a 2-D copy of T x H bf16 (as much as the copy engines bring in) runs
-              on another stream, the flags set after it: the EP forward's overlap
+    + copy    passes while T x H bf16 come from the second GPU over NVLink (a copy engine, as in
+              the EP forward) on another stream, the flags set after it: the EP forward's overlap
     copy, then plain   the copy first, then plain GEMM1: no overlap
-Each is the median of CUDA-event timings with the L2 flushed.
+Each is the median of CUDA-event timings with the L2 flushed. Needs 2 GPUs: the copy must use
+no SM (a copy within one GPU runs on SMs, which the waiting GEMM holds: it would trap).
 
     python scripts/bench_passes.py [--tokens 16384] [--world 2]
 """
@@ -53,7 +54,9 @@ def main() -> None:
     h = torch.empty(runs.num_slots, 2 * INTER, device="cuda", dtype=torch.bfloat16)
     act = torch.empty(runs.num_slots, INTER, device="cuda", dtype=torch.bfloat16)
     flags = torch.ones(world, dtype=torch.int32, device="cuda")
-    src, dst = torch.empty(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16), x[tokens:2 * tokens]
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs a second GPU to copy from (see the module docstring)")
+    src, dst = torch.empty(tokens, HIDDEN, device="cuda:1", dtype=torch.bfloat16), x[tokens:2 * tokens]
     side = torch.cuda.Stream()
 
     def gemm(layout, offsets, **passes) -> None:
@@ -76,7 +79,7 @@ def main() -> None:
 
     rows = int(plain.offsets[-1])
     print(f"GEMM1 (nt, SwiGLU epilogue, gathered rows) on {rows} rows, {local} experts, {world} passes; "
-          f"copy of {tokens} x {HIDDEN} bf16")
+          f"copy of {tokens} x {HIDDEN} bf16 from GPU 1")
     timings = {
         "plain": bench_ms(lambda: gemm(plain, plain.offsets)),
         "passes": bench_ms(lambda: gemm(runs, runs.offsets, num_passes=world, ready_flags=flags)),
