@@ -25,6 +25,10 @@ for config in m_grouped_bf16.all_configs():
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets, a_row_index=row_index, config=config)
         deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, b.view(len(sizes), 192, 264), d, offsets,
                                                     a_row_index=row_index, config=config)
+# The same rows as runs (group, pass) of 5 groups x 2 passes, flags already set (nothing to wait for).
+flags = torch.ones(2, dtype=torch.int32, device="cuda")
+run_offsets = offsets_from_sizes([0, 0, 1, 0, 60, 70, 30, 34, 0, 70])
+deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, run_offsets, a_row_index=index, num_passes=2, ready_flags=flags)
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):

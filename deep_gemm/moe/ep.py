@@ -81,18 +81,21 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer, source_tokens: tor
     `source_tokens` is from `exchange_token_counts`."""
     num_tokens = topk_idx.shape[0]
     world, me, device = buffer.world, buffer.rank, topk_idx.device
-    valid = (topk_idx >= 0) & (topk_idx < buffer.num_experts)
-    rank_of = torch.where(valid, topk_idx // buffer.num_local_experts, world)  # world: nowhere
-    in_rank = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device).scatter_(1, rank_of, True)
-    in_rank = in_rank[:, :world].contiguous()
-    pair = torch.arange(num_tokens * world, device=device)
-    token, dst_rank = pair // world, pair % world
-    dst_row = torch.where(in_rank.flatten(), (me - dst_rank) % world * buffer.max_tokens + token, -1)
-    pairs = RoutingLayout(offsets=torch.zeros(1, dtype=torch.int32, device=device), row_token=token,
-                          row_weight=torch.empty(0, device=device), slot_row=pair.view(num_tokens, world),
-                          slot_valid=in_rank)
-    return EpPlan(token=token, dst_rank=dst_rank.to(torch.int32), dst_row=dst_row, pairs=pairs,
-                  source_tokens=source_tokens)
+
+    def pairs_of_this_size():
+        pair = torch.arange(num_tokens * world, device=device)
+        token, dst_rank = pair // world, pair % world
+        row_if_sent = (me - dst_rank) % world * buffer.max_tokens + token
+        return token, dst_rank.to(torch.int32), row_if_sent, pair.view(num_tokens, world)
+
+    token, dst_rank, row_if_sent, pair = buffer.constant(("pairs", num_tokens, device), pairs_of_this_size)
+    ranks = buffer.constant(("ranks", device), lambda: torch.arange(world, device=device))
+    # Floor division sends empty slots (-1) to rank -1 and ids >= E to ranks >= world: neither matches.
+    in_rank = (topk_idx.div(buffer.num_local_experts, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
+    dst_row = torch.where(in_rank.flatten(), row_if_sent, -1)
+    pairs = RoutingLayout(offsets=pair.new_empty(0, dtype=torch.int32), row_token=token,
+                          row_weight=pair.new_empty(0, dtype=torch.float32), slot_row=pair, slot_valid=in_rank)
+    return EpPlan(token=token, dst_rank=dst_rank, dst_row=dst_row, pairs=pairs, source_tokens=source_tokens)
 
 
 # Whether GEMM1 starts on this rank's own tokens while the others' are copied in (True), or the

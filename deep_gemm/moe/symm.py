@@ -82,6 +82,7 @@ class SymmBuffer:
         self.local = self._peers[rank]
         self._barrier = barrier
         self.num_calls = 0  # exchanges this rank has started (ep.announce_call)
+        self._constants: dict = {}
         # Peer addresses for the kernels, built now: later, a host-to-device copy would block
         # the host and could not be captured in a CUDA graph.
         self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
@@ -100,6 +101,17 @@ class SymmBuffer:
         if tensors[0].is_cuda:
             addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
         return PeerRegion(tensors, addresses)
+
+    def constant(self, key: tuple, make: Callable[[], object]):
+        """``make()``, computed once per key and kept (index tensors that depend only on the
+        buffer's shape and a token count: fewer small launches per call). Not kept when made
+        during CUDA-graph capture, where its kernels have not run yet."""
+        if key in self._constants:
+            return self._constants[key]
+        value = make()
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self._constants[key] = value
+        return value
 
     def region(self, name: str) -> PeerRegion:
         return self._regions_by_name[name]

@@ -46,12 +46,15 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         # with as few host-side ops before it as possible: the GPU would wait for them.
         recv_idx = torch.stack([buffer.region("topk_idx").tensors[(me + s) % world] for s in range(world)])
         recv_weights = torch.stack([buffer.region("topk_weights").tensors[(me + s) % world] for s in range(world)])
-        arrived = torch.arange(max_tokens, device=x.device) < source_tokens.roll(-me).unsqueeze(1)  # [pass, token]
+        token_ids, pass_ids = buffer.constant(("recv", x.device), lambda: (
+            torch.arange(max_tokens, device=x.device), torch.arange(world, device=x.device).view(world, 1, 1)))
+        arrived = token_ids < source_tokens.roll(-me).unsqueeze(1)  # [pass, token]
         expert = recv_idx - me * num_local
         mine = (expert >= 0) & (expert < num_local) & arrived.unsqueeze(2)
-        run = expert * world + torch.arange(world, device=x.device).view(world, 1, 1)  # sorted by (expert, pass)
         local_weights = torch.where(mine, recv_weights, 0.0).view(-1, num_topk)
-        runs = build_routing_layout(torch.where(mine, run, -1).view(-1, num_topk), local_weights, num_local * world)
+        # Sorted by (expert, pass): GEMM1 runs pass by pass; the other kernels see experts only.
+        runs = build_routing_layout(torch.where(mine, expert * world + pass_ids, -1).view(-1, num_topk), local_weights,
+                                    num_local * world)
         layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
                                runs.slot_valid)
         recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
@@ -60,10 +63,11 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         plan = build_ep_plan(topk_idx, buffer, source_tokens)
 
         # Each received token's weighted sum over this rank's experts goes straight to its owner.
-        back_rank = ((torch.arange(world, device=x.device) + me) % world).to(torch.int32).repeat_interleave(max_tokens)
-        token = torch.arange(max_tokens, device=x.device).repeat(world)
-        back_row = torch.where(mine.any(2).flatten(), token * world + me, -1)
-        num_recv = torch.full((1,), world * max_tokens, dtype=torch.int32, device=x.device)
+        back_rank, row_if_mine, num_recv = buffer.constant(("back", x.device), lambda: (
+            ((pass_ids.flatten() + me) % world).to(torch.int32).repeat_interleave(max_tokens),
+            token_ids.repeat(world) * world + me,
+            torch.full((1,), world * max_tokens, dtype=torch.int32, device=x.device)))
+        back_row = torch.where(mine.any(2).flatten(), row_if_mine, -1)
         moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"), num_recv)
         del rows
         buffer.barrier()
