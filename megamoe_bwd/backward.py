@@ -17,7 +17,7 @@ import torch
 from deep_gemm.gemm import (k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
                             m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous)
 from deep_gemm.moe import forward as moe_forward_module
-from deep_gemm.moe.forward import MegaMoEHandle
+from deep_gemm.moe.forward import MegaMoEHandle, RowArrival
 from deep_gemm.moe.layout import RoutingLayout
 from deep_gemm.moe.glue import moe_combine_bf16, moe_swiglu_bwd_bf16
 
@@ -56,7 +56,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
                       weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None,
                       dl2: Optional[torch.Tensor] = None, keep_handle: bool = False,
                       combine_dx: Optional[Callable[[torch.Tensor, RoutingLayout, torch.Tensor],
-                                                    Optional[torch.Tensor]]] = None
+                                                    Optional[torch.Tensor]]] = None,
+                      dy_arrival: Optional[RowArrival] = None
                       ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
@@ -70,6 +71,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             layout and dtopk_weights in place of the local sum over slots, while dl1's GEMM may
             still run on a side stream (so an asynchronous exchange it starts overlaps that GEMM);
             what it returns is returned as dx.
+        dy_arrival: for expert parallelism: dy's rows are still landing (see
+            `deep_gemm.moe.forward.RowArrival`); dA's GEMM reads each pass once it has landed.
         keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
             gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
             so a saved copy of it cannot be reused silently) and a second backward with it
@@ -100,15 +103,23 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     on_side = torch.cuda.stream(side) if side is not None else nullcontext()
 
     gather = moe_forward_module.GATHER_ROWS["backward"]
-    dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout, gather)
     h_dense = h.contiguous()
     act_weighted = dy.new_empty(layout.num_slots, l2.shape[2])
+    overlap = dy_arrival is not None and dy_arrival.ready_flags is not None and not FUSED_SWIGLU_BWD
+    if dy_arrival is not None and not overlap:
+        dy_arrival.join()
+    if overlap:  # dA's GEMM gathers dy's rows pass by pass as they land; dl2's reads them after
+        m_grouped_bf16_gemm_nn_contiguous(dy, l2, act_weighted, dy_arrival.run_offsets, a_row_index=layout.row_token,
+                                          num_passes=dy_arrival.num_passes, ready_flags=dy_arrival.ready_flags)
+        dy_arrival.join()
+    dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout, gather)
     if FUSED_SWIGLU_BWD:  # dA = dy @ l2[e] stays in registers
         dz = h_dense.clone() if keep_handle else h_dense
         row_dw = m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(dy_rows, l2, act_weighted, dz, layout.row_weight,
                                                               offsets, a_row_index=dy_index)
     else:  # dA stored (in act_weighted's memory, which the pass then overwrites)
-        m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, act_weighted, offsets, a_row_index=dy_index)
+        if not overlap:
+            m_grouped_bf16_gemm_nn_contiguous(dy_rows, l2, act_weighted, offsets, a_row_index=dy_index)
         dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h_dense, act_weighted, layout,
                                                        dz=None if keep_handle else h_dense, act_weighted=act_weighted)
     if not keep_handle:  # dz was written over h (an invalid argument above leaves the handle intact)

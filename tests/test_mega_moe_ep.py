@@ -224,16 +224,14 @@ def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
     return SymmBuffer([storage], 0, None, E_LOCAL, max_tokens, K, H, barrier=lambda: None)
 
 
-def test_plan_places_each_token_in_pass_order_on_the_ranks_of_its_experts():
+def test_plan_marks_the_ranks_of_each_tokens_experts():
     from deep_gemm.moe.ep import build_ep_plan, exchange_token_counts
     storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
     buffer = SymmBuffer(storages, 1, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None)  # rank 1 of 2
     idx = torch.tensor([[2, 0, -1, 3], [-1, -1, -1, -1], [3, 5, -1, 0], [7, -1, -1, -1]])  # experts 4.. on rank 1
     plan = build_ep_plan(idx, buffer, exchange_token_counts(buffer, 4))
-    # Pairs (token, rank): on rank 0 this rank's tokens are pass 1 (rows 8 + t), here pass 0 (rows t).
-    assert plan.dst_row.view(4, 2).tolist() == [[8, -1], [-1, -1], [10, 2], [-1, 3]]
-    assert plan.dst_rank.view(4, 2).tolist() == [[0, 1]] * 4
     assert plan.pairs.slot_valid.tolist() == [[True, False], [False, False], [True, True], [False, True]]
+    assert plan.pairs.slot_row.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]], "pair p = t * world + r"
     assert plan.source_tokens.tolist() == [0, 4], "every rank writes its token count into every buffer"
 
 

@@ -189,7 +189,8 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
-                                      config: Optional[GemmConfig] = None) -> None:
+                                      config: Optional[GemmConfig] = None, num_passes: int = 1,
+                                      ready_flags: Optional[torch.Tensor] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g]`` (MoE data gradient), in place into `d`.
 
     Args:
@@ -200,10 +201,12 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
         a_row_index: optional int64 ``[M]`` row gather of `a`, as in the nt version.
         config: force a kernel variant (one of `all_configs()`); the default picks by N.
+        num_passes, ready_flags: rows in passes that wait for their data, as in
+            `m_grouped_bf16_gemm_nt_contiguous`.
 
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
-    _launch(a, b, d, group_offsets, True, config, a_row_index)
+    _launch(a, b, d, group_offsets, True, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags)
 
 
 def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, act: torch.Tensor,

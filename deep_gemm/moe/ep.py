@@ -1,12 +1,13 @@
 """Exchange plan of the built-in expert-parallel path: which rows go where.
 
-Every rank stages its tokens in its symmetric buffer; every other rank copies them in whole
-(the forward's x, by the copy engines, while GEMM1 works on the rank's own tokens) or is pushed
-the ones that name one of its experts (the backward's dy). A receiver holds the tokens of all
-ranks in *pass order*: pass s holds the tokens of rank ``(rank + s) % world`` in rows
-``[s * M, (s + 1) * M)`` (M = the buffer's max tokens per rank; rows past a rank's token count
-are empty), its own tokens first. Each rank's token count goes into every rank's buffer, so no
-host synchronisation and no second exchange is needed.
+Every rank stages its tokens (the forward's x, the backward's dy) in its symmetric buffer;
+every other rank copies them in whole with the copy engines (no SM) while its first GEMM works
+on its own tokens. A receiver holds the tokens of all ranks in *pass order*: pass s holds the
+tokens of rank ``(rank + s) % world`` in rows ``[s * M, (s + 1) * M)`` (M = the buffer's max
+tokens per rank; rows past a rank's token count are empty), its own tokens first. Each rank's
+token count goes into every rank's buffer, so no host synchronisation and no second exchange is
+needed. Whole regions are copied, also the tokens that name no expert of the receiver (at EP = 2
+with K = 8 of 128 experts, 0.3% of them; more at larger EP).
 """
 from __future__ import annotations
 
@@ -22,20 +23,14 @@ from .symm import SymmBuffer
 
 @dataclass
 class EpPlan:
-    """This rank's side of one exchange, over its (token, rank) pairs p = t * world + r.
+    """Where this rank's tokens went.
 
-    token:    int64 ``[T * world]``: the pair's token.
-    dst_rank: int32 ``[T * world]``: the pair's rank r.
-    dst_row:  int64 ``[T * world]``: the token's row among rank r's pass-ordered received
-              tokens, ``((rank - r) % world) * M + t``; -1 if none of its experts lives on r.
-    pairs:    token-side layout for summing each token's results over the ranks it went to
-              (``slot_row`` is the pair, ``slot_valid`` whether the token went there).
+    pairs:         token-side layout over the (token, rank) pairs p = t * world + r, for summing
+                   each token's results over the ranks it went to (``slot_row`` [T, world] is
+                   the pair, ``slot_valid`` whether one of the token's experts lives on r).
     source_tokens: int32 ``[world]`` on the GPU: the token count of every rank.
     """
 
-    token: torch.Tensor
-    dst_rank: torch.Tensor
-    dst_row: torch.Tensor
     pairs: RoutingLayout
     source_tokens: torch.Tensor
 
@@ -76,26 +71,18 @@ def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
 
 
 def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer, source_tokens: torch.Tensor) -> EpPlan:
-    """Where this rank's tokens go; no communication. `topk_idx` ``[T, K]`` int64 holds global
+    """Which ranks each token goes to; no communication. `topk_idx` ``[T, K]`` int64 holds global
     expert ids (expert e on rank ``e // E_local``; ids outside ``[0, E)`` are empty),
     `source_tokens` is from `exchange_token_counts`."""
-    num_tokens = topk_idx.shape[0]
-    world, me, device = buffer.world, buffer.rank, topk_idx.device
-
-    def pairs_of_this_size():
-        pair = torch.arange(num_tokens * world, device=device)
-        token, dst_rank = pair // world, pair % world
-        row_if_sent = (me - dst_rank) % world * buffer.max_tokens + token
-        return token, dst_rank.to(torch.int32), row_if_sent, pair.view(num_tokens, world)
-
-    token, dst_rank, row_if_sent, pair = buffer.constant(("pairs", num_tokens, device), pairs_of_this_size)
+    num_tokens, world, device = topk_idx.shape[0], buffer.world, topk_idx.device
+    pair = buffer.constant(("pairs", num_tokens, device),
+                           lambda: torch.arange(num_tokens * world, device=device).view(num_tokens, world))
     ranks = buffer.constant(("ranks", device), lambda: torch.arange(world, device=device))
     # Floor division sends empty slots (-1) to rank -1 and ids >= E to ranks >= world: neither matches.
     in_rank = (topk_idx.div(buffer.num_local_experts, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-    dst_row = torch.where(in_rank.flatten(), row_if_sent, -1)
-    pairs = RoutingLayout(offsets=pair.new_empty(0, dtype=torch.int32), row_token=token,
+    pairs = RoutingLayout(offsets=pair.new_empty(0, dtype=torch.int32), row_token=pair.flatten(),
                           row_weight=pair.new_empty(0, dtype=torch.float32), slot_row=pair, slot_valid=in_rank)
-    return EpPlan(token=token, dst_rank=dst_rank, dst_row=dst_row, pairs=pairs, source_tokens=source_tokens)
+    return EpPlan(pairs=pairs, source_tokens=source_tokens)
 
 
 # Whether GEMM1 starts on this rank's own tokens while the others' are copied in (True), or the

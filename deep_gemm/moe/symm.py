@@ -40,7 +40,6 @@ def _regions(world: int, max_tokens: int, num_topk: int, hidden: int) -> list:
         ("topk_weights", (max_tokens, num_topk), torch.float32),
         ("num_tokens", (world,), torch.int32),  # each rank's token count
         ("calls", (world,), torch.int64),  # which exchange each rank is in (see ep.announce_call)
-        ("recv_x", (world * max_tokens, hidden), torch.bfloat16),  # dy rows pushed in, in pass order (ep.py)
         ("back", (max_tokens * world, hidden), torch.bfloat16),  # results per (own token, expert rank)
         ("back_dw", (max_tokens * world, num_topk), torch.float32),  # routing-weight gradients, likewise
     ]
@@ -139,10 +138,9 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         hidden: H.
         intermediate_hidden: I (the buffer itself holds no intermediate activations).
 
-    Returns a `SymmBuffer` of about ``(2 * world + 1) * T * H * 2`` bytes per rank (T =
-    num_max_tokens_per_rank: each rank may receive every token of the group); reuse it for
-    every layer. Every exchange copies whole regions of T rows, so T should be close to the
-    tokens a rank actually passes. Also compiles the exchange kernels now, so
+    Returns a `SymmBuffer` of about ``(world + 1) * T * H * 2`` bytes per rank (T =
+    num_max_tokens_per_rank); reuse it for every layer. Every exchange copies whole regions of
+    T rows from each rank, so T should be close to the tokens a rank actually passes. Also compiles the exchange kernels now, so
     that no rank compiles inside a barrier of the first layer (ranks wait at most
     DG_EP_BARRIER_TIMEOUT_MS, default 10 min, for each other). NVLink multicast stays off
     (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).

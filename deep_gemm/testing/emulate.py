@@ -25,9 +25,9 @@ def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passes=1,
     _m_grouped(a, b, d, group_offsets, True, a_row_index, num_passes)
 
 
-def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, **_):
+def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_contiguous`."""
-    _m_grouped(a, b, d, group_offsets, False, a_row_index)
+    _m_grouped(a, b, d, group_offsets, False, a_row_index, num_passes)
 
 
 def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):

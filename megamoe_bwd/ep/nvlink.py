@@ -7,10 +7,11 @@ Forward:  stage x, top-k ids and weights in this rank's buffer -> plan (token co
           pass, its tiles of pass s waiting on that pass's arrival flag -> GEMM2 -> combine over
           this rank's slots, written straight into the owners' buffers -> barrier -> sum over
           ranks.
-Backward: push dy into the ranks holding the token's experts (our kernel, peer addresses) ->
-          barrier -> the single-GPU backward (weight gradients on a side stream), its dx rows
-          summed over this rank's slots straight into the owners' buffers -> push routing-weight
-          gradients back -> barrier -> sum over ranks.
+Backward: stage dy -> barrier -> the copy engines pull the other ranks' dy while dA's GEMM
+          (gathering rows) works pass by pass on the same arrival flags -> the rest of the
+          single-GPU backward (weight gradients on a side stream), its dx rows summed over this
+          rank's slots straight into the owners' buffers -> push routing-weight gradients back
+          -> barrier -> sum over ranks.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
 NCCL, no host synchronisation. See deep_gemm.moe.ep for the pass order.
 """
@@ -73,33 +74,34 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         buffer.barrier()
         y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(x.shape))
         ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
-        ctx.save_for_backward(l1, l2, recv_x, h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row,
-                              layout.slot_valid, back_rank, back_row, num_recv, plan.token, plan.dst_rank,
-                              plan.dst_row, plan.pairs.slot_row, plan.pairs.slot_valid)
+        ctx.save_for_backward(l1, l2, recv_x, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
+                              layout.slot_row, layout.slot_valid, back_rank, back_row, num_recv, plan.pairs.slot_row,
+                              plan.pairs.slot_valid)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (l1, l2, recv_x, h, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row, num_recv, token,
-         dst_rank, dst_row, pair_row, pair_valid) = ctx.saved_tensors
+        (l1, l2, recv_x, h, run_offsets, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row,
+         num_recv, pair_row, pair_valid) = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
         (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
         dy = dy.contiguous()
-        announce_call(buffer, 1)  # (no barrier before: see build_ep_plan)
-        ep_push_rows_bf16(dy, token, dst_rank, dst_row, buffer.region("recv_x"))
+        _stage(buffer.local["x"], dy)  # the forward's pulls of x ended before its last barrier
+        announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
         buffer.barrier()
-        check_calls(buffer)
+        recv_dy, arrival = pull_tokens(dy, buffer, "x", run_offsets)
 
         handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
         def to_owners(rows: torch.Tensor, layout: RoutingLayout, _dtopk: torch.Tensor) -> None:  # dx rows, summed
             moe_combine_to_peers_bf16(rows, layout, None, back_rank, back_row, buffer.region("back"), num_recv)
 
-        _, d_recv_weights, dl1, dl2 = mega_moe_backward(buffer.local["recv_x"], l1, l2, handle,
-                                                        weight_grad_dtype=l1.dtype, combine_dx=to_owners)
+        _, d_recv_weights, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype,
+                                                        combine_dx=to_owners, dy_arrival=arrival)
+        check_calls(buffer)
         ep_push_rows_bf16(None, None, back_rank, back_row, None, f32=d_recv_weights, dst_f32=buffer.region("back_dw"),
                           num_valid=num_recv)
         buffer.barrier()
-        pairs = RoutingLayout(offsets, token, row_weight.new_empty(0), pair_row, pair_valid)
+        pairs = RoutingLayout(offsets, pair_row.flatten(), row_weight.new_empty(0), pair_row, pair_valid)
         dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, dy.new_empty(dy.shape))
         # Each slot's gradient comes from the rank holding its expert; the others sent zeros.
         partial_dw = buffer.local["back_dw"][:num_tokens * world].view(num_tokens, world, num_topk)
