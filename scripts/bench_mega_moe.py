@@ -17,8 +17,8 @@ and writes a PNG bar chart next to the table (`--plot`).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
-(`ep_mega_moe_nvlink`: x pulled by the copy engines while GEMM1 starts on the rank's own
-tokens, dy pushed by our kernel; and the same with the pull finished before GEMM1, "no
+(`ep_mega_moe_nvlink`: x and dy pulled by the copy engines while GEMM1 and dA's GEMM start on
+the rank's own tokens; and the same with the pulls finished before those GEMMs, "no
 overlap"), ours over DeepEP when it is
 installed (`ep_mega_moe_deep_ep`), our interim path (the all-to-all exchange around our fused
 layer, `ep_mega_moe_nccl`) and the compute-only time of
