@@ -10,6 +10,28 @@
 
 namespace deep_gemm::epilogue {
 
+// Writes column chunk `chunk` (kChunkN columns) of this thread's share of a warpgroup's
+// 64 x BLOCK_N accumulators to shared memory as OutT: the pair of columns at byte offset `byte`
+// of row r (both within the chunk) goes to `addr(r, byte)`, which picks the staging layout.
+template <uint32_t kChunkN, typename OutT, uint32_t kNumAcc, typename Addr>
+__device__ __forceinline__ void stage_chunk(const float (&acc)[kNumAcc], uint32_t chunk, Addr addr) {
+    const uint32_t lane = ptx::lane_idx();
+    const uint32_t row = ((threadIdx.x % 128) / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+    #pragma unroll
+    for (uint32_t j = 0; j < kChunkN / 8; ++j) {  // j: a group of 8 columns
+        const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
+        #pragma unroll
+        for (uint32_t half = 0; half < 2; ++half) {
+            uint8_t* ptr = addr(row + half * 8, (j * 8 + col) * static_cast<uint32_t>(sizeof(OutT)));
+            const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
+            if constexpr (std::is_same_v<OutT, float>)
+                ptx::st_shared_v2(ptr, x, y);
+            else
+                ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
+        }
+    }
+}
+
 // Bytes of shared memory one warpgroup needs for `store_bf16_staged`.
 template <uint32_t BLOCK_N>
 struct StagedBF16 {
@@ -30,18 +52,13 @@ __device__ __forceinline__ void store_bf16_staged(const float (&acc)[BLOCK_N / 2
     using Layout = StagedBF16<BLOCK_N>;
     constexpr uint32_t kChunkN = Layout::kChunkN, kRowBytes = Layout::kRowBytes;
     constexpr uint32_t kPiecesPerRow = kChunkN * 2 / 16;
-    const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
-    const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+    const uint32_t thread = threadIdx.x % 128;
 
     #pragma unroll
     for (uint32_t chunk = 0; chunk < BLOCK_N / kChunkN; ++chunk) {
-        #pragma unroll
-        for (uint32_t j = 0; j < kChunkN / 8; ++j) {
-            const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
-            uint8_t* ptr = staging + row * kRowBytes + (j * 8 + col) * 2;
-            ptx::st_shared_u32(ptr, ptx::pack_bf16x2(acc[i], acc[i + 1]));
-            ptx::st_shared_u32(ptr + 8 * kRowBytes, ptx::pack_bf16x2(acc[i + 2], acc[i + 3]));
-        }
+        stage_chunk<kChunkN, __nv_bfloat16>(acc, chunk, [&](uint32_t r, uint32_t byte) {
+            return staging + r * kRowBytes + byte;
+        });
         ptx::named_barrier_sync(barrier_id, 128);
 
         #pragma unroll
@@ -114,8 +131,7 @@ __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2]
                                                  uint32_t num_rows, uint32_t num_cols) {
     using Layout = RowStaging<BLOCK_N, OutT>;
     constexpr uint32_t kChunkN = Layout::kChunkN, kRowBytes = Layout::kRowBytes;
-    const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
-    const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+    const uint32_t thread = threadIdx.x % 128;
 
     #pragma unroll
     for (uint32_t chunk = 0; chunk < BLOCK_N / kChunkN; ++chunk) {
@@ -123,19 +139,9 @@ __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2]
             ptx::bulk_wait_group_read<0>();
         ptx::named_barrier_sync(barrier_id, 128);
 
-        #pragma unroll
-        for (uint32_t j = 0; j < kChunkN / 8; ++j) {
-            const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
-            #pragma unroll
-            for (uint32_t half = 0; half < 2; ++half) {
-                uint8_t* ptr = staging + (row + half * 8) * kRowBytes + (j * 8 + col) * sizeof(OutT);
-                const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
-                if constexpr (std::is_same_v<OutT, float>)
-                    ptx::st_shared_v2(ptr, x, y);
-                else
-                    ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
-            }
-        }
+        stage_chunk<kChunkN, OutT>(acc, chunk, [&](uint32_t r, uint32_t byte) {
+            return staging + r * kRowBytes + byte;
+        });
         ptx::fence_view_async_shared();  // the bulk copies read through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
 
@@ -172,8 +178,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
     using Layout = SwizzledStaging<OutT>;
     static_assert(BLOCK_N % Layout::kChunkN == 0);
     static_assert(not kAccumulate or std::is_same_v<OutT, float>, "tensor reduce-add is used for fp32 only");
-    const uint32_t thread = threadIdx.x % 128, lane = ptx::lane_idx();
-    const uint32_t row = (thread / 32) * 16 + lane / 4, col = (lane % 4) * 2;
+    const uint32_t thread = threadIdx.x % 128;
 
     #pragma unroll
     for (uint32_t chunk = 0; chunk < BLOCK_N / Layout::kChunkN; ++chunk) {
@@ -182,21 +187,9 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
             ptx::bulk_wait_group_read<1>();
         ptx::named_barrier_sync(barrier_id, 128);
 
-        #pragma unroll
-        for (uint32_t j = 0; j < Layout::kChunkN / 8; ++j) {  // j: a group of 8 columns
-            const uint32_t i = (chunk * Layout::kChunkN / 8 + j) * 4;
-            const uint32_t byte = (j * 8 + col) * static_cast<uint32_t>(sizeof(OutT));  // within the 128-byte row
-            #pragma unroll
-            for (uint32_t half = 0; half < 2; ++half) {
-                const uint32_t r = row + half * 8;
-                uint8_t* ptr = buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
-                const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
-                if constexpr (std::is_same_v<OutT, float>)
-                    ptx::st_shared_v2(ptr, x, y);
-                else
-                    ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
-            }
-        }
+        stage_chunk<Layout::kChunkN, OutT>(acc, chunk, [&](uint32_t r, uint32_t byte) {  // byte: within the 128-byte row
+            return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
+        });
         ptx::fence_view_async_shared();  // the tensor store reads through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
         if (thread == 0) {
