@@ -91,6 +91,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         raise ValueError(f"dy must be a {x.dtype} [{num_tokens}, {hidden}] tensor on {x.device}")
     if weight_grad_dtype not in (torch.float32, torch.bfloat16) and x.is_cuda:
         raise TypeError(f"weight_grad_dtype must be float32 or bfloat16, got {weight_grad_dtype}")
+    if dy_arrival is not None and not dy.is_contiguous():  # a copy would read rows still landing
+        raise ValueError("dy must be contiguous when its rows are still arriving (dy_arrival)")
     dy, x = dy.contiguous(), x.contiguous()  # row gathers index them as dense rows
     offsets = layout.offsets
     l1_shape, l2_shape = (num_experts, two_inter, hidden), (num_experts, hidden, two_inter // 2)

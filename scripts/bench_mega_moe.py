@@ -221,11 +221,12 @@ def main() -> None:
         plot(results, args.plot)
 
 
-def nvlink_without_overlap(*args):
-    """`ep_mega_moe_nvlink` with the other ranks' tokens copied in before GEMM1 starts."""
+def time_without_overlap(fn, inputs, dy):
+    """`time_fwd_bwd` with every pull of the NVLink path finished before the GEMM that reads it
+    (forward and backward: the switch is read in both)."""
     ep_module.OVERLAP_PULL = False
     try:
-        return ep_mega_moe_nvlink(*args)
+        return time_fwd_bwd(fn, inputs, dy)
     finally:
         ep_module.OVERLAP_PULL = True
 
@@ -266,7 +267,8 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                 timings = {
                     "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
                     "ours, nvlink": time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
-                    "nvlink no overlap": time_fwd_bwd(lambda *a: nvlink_without_overlap(*a, buffer), inputs, p["dy"]),
+                    "nvlink no overlap": time_without_overlap(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs,
+                                                              p["dy"]),
                     "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     **({"ours, deep_ep": time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer), inputs,
                                                       p["dy"])} if deep_ep_buffer is not None else {}),

@@ -213,11 +213,13 @@ def test_m_grouped_passes(num_passes, swiglu):
 @requires_sm90
 def test_m_grouped_passes_wait_for_their_rows():
     """A pass's rows are read only after its flag is set: here they are NaN until another stream
-    writes them (after a sleep) and then sets the flag, while the GEMM already runs."""
+    copies them in from pinned host memory (a copy engine: the waiting GEMM may hold every SM)
+    after a sleep and then sets the flag, while the GEMM already runs."""
     from deep_gemm.jit.runtime import stream_write_u32
     num_groups, num_passes, n, k, per_pass = 4, 3, 256, 512, 700
     sizes, source, index = _passes_problem(num_groups, num_passes, k, per_pass)
     real = source.clone()
+    landing = real.cpu().pin_memory()
     source[per_pass:] = float("nan")  # passes 1 and 2 not landed yet
     b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     d = torch.empty(sum(sizes), n, device="cuda", dtype=torch.bfloat16)
@@ -227,7 +229,7 @@ def test_m_grouped_passes_wait_for_their_rows():
     with torch.cuda.stream(side):
         for s in (2, 1):  # the later pass lands first
             torch.cuda._sleep(20_000_000)
-            source[s * per_pass:(s + 1) * per_pass].copy_(real[s * per_pass:(s + 1) * per_pass])
+            source[s * per_pass:(s + 1) * per_pass].copy_(landing[s * per_pass:(s + 1) * per_pass], non_blocking=True)
             stream_write_u32(flags[s:].data_ptr(), 1, source.device.index)
     deep_gemm.m_grouped_bf16_gemm_nt_contiguous(source, b, d, offsets_from_sizes(sizes), a_row_index=index,
                                                 num_passes=num_passes, ready_flags=flags)

@@ -179,8 +179,10 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             ``ready_flags[s] != 0``, so that rows still being copied in (by another stream, e.g.
             a copy engine, which then sets the flag) are read after they land while earlier
             passes already run. The writer must need no SM: this kernel may hold every SM
-            while it waits (copy engines and stream memory operations qualify; a kernel, or a
-            copy within one GPU, does not). A wait of ~10 s traps.
+            while it waits (copy engines and stream memory operations qualify, e.g. a copy
+            from another GPU's memory or from pinned host memory; a kernel, or a copy whose
+            source and destination both lie in this GPU's memory, does not). A wait of ~10 s
+            traps.
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """

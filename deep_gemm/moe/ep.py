@@ -62,7 +62,7 @@ def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
     this call is readable by the others after it. The caller runs `check_calls` before the
     exchange's last barrier (it may come later: the check is asynchronous anyway)."""
     # No barrier first: every exchange ends with one that each rank reaches only after its last
-    # read of the others' buffers and of its receive regions, and the counts were read before that.
+    # read of the others' buffers, and the counts were read before that.
     announce_call(buffer, 0)
     for peer_tokens in buffer.region("num_tokens").tensors:
         peer_tokens[buffer.rank:buffer.rank + 1].fill_(num_tokens)
@@ -75,8 +75,8 @@ def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer, source_tokens: tor
     expert ids (expert e on rank ``e // E_local``; ids outside ``[0, E)`` are empty),
     `source_tokens` is from `exchange_token_counts`."""
     num_tokens, world, device = topk_idx.shape[0], buffer.world, topk_idx.device
-    pair = buffer.constant(("pairs", num_tokens, device),
-                           lambda: torch.arange(num_tokens * world, device=device).view(num_tokens, world))
+    pair = buffer.constant(("pairs", device), lambda: torch.arange(buffer.max_tokens * world, device=device)
+                           .view(buffer.max_tokens, world))[:num_tokens]
     ranks = buffer.constant(("ranks", device), lambda: torch.arange(world, device=device))
     # Floor division sends empty slots (-1) to rank -1 and ids >= E to ranks >= world: neither matches.
     in_rank = (topk_idx.div(buffer.num_local_experts, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
@@ -91,14 +91,15 @@ OVERLAP_PULL = True
 
 
 def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor) -> tuple[torch.Tensor, RowArrival]:
-    """All ranks' staged rows of `region` (each rank's ``[M, C]`` rows, staged before
-    `build_ep_plan`'s barrier), in pass order: ``[world * M, C]``, this rank's `own` ``[T, C]``
+    """All ranks' staged rows of `region` (each rank's ``[M, C]`` rows, staged before a barrier
+    of this exchange), in pass order: ``[world * M, C]``, this rank's `own` ``[T, C]``
     first, copied on the current stream; the others' copied in by the copy engines (no SM) on the
     buffer's copy stream, each pass setting ``buffer.ready_flags[s]`` once it has landed.
 
     Returns the rows and their `RowArrival` (with `run_offsets`, the layout's per-(expert, pass)
     offsets), whose ``join`` the caller must reach before the rows are read other than by a
-    GEMM that waits on the flags. On the CPU the copies are synchronous."""
+    GEMM that waits on the flags, and also when it raises (``join`` resets the flags). On the
+    CPU the copies are synchronous."""
     world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
     rows = own.new_empty(world * max_tokens, own.shape[1])
     rows[:own.shape[0]].copy_(own)
@@ -115,6 +116,7 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
         for s in range(1, world):
             rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
             stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+    rows.record_stream(stream)  # not reused before the copies into it are done, whatever happens
 
     def join() -> None:
         current.wait_stream(stream)

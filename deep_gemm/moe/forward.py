@@ -124,12 +124,12 @@ def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
     gather, offsets, passes = GATHER_ROWS["forward"], layout.offsets, {}
-    if arrival is not None:
-        if not gather or arrival.ready_flags is None:
-            arrival.join()
-        if gather:
-            offsets = arrival.run_offsets
-            passes = dict(num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
+    waits = arrival is not None and gather and arrival.ready_flags is not None
+    if arrival is not None and not waits:
+        arrival.join()
+    if arrival is not None and gather:
+        offsets = arrival.run_offsets
+        passes = dict(num_passes=arrival.num_passes, ready_flags=arrival.ready_flags if waits else None)
     a, index = routed_rows(x, layout, gather)
     if FUSED_SWIGLU and two_inter % 256 == 0:
         act = x.new_empty(num_slots, two_inter // 2)
@@ -137,7 +137,7 @@ def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2
     else:
         m_grouped_bf16_gemm_nt_contiguous(a, l1, h, offsets, a_row_index=index, **passes)
         act = moe_swiglu_fwd_bf16(h, layout)
-    if arrival is not None:
+    if waits:
         arrival.join()
     out = x.new_empty(num_slots, hidden)
     m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)

@@ -59,7 +59,10 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
                                runs.slot_valid)
         recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
-        h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival)
+        try:
+            h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival)
+        finally:  # (joined already unless it raised)
+            arrival.join()
         check_calls(buffer)
         plan = build_ep_plan(topk_idx, buffer, source_tokens)
 
@@ -86,17 +89,20 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         buffer: SymmBuffer = ctx.buffer
         (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
         dy = dy.contiguous()
-        _stage(buffer.local["x"], dy)  # the forward's pulls of x ended before its last barrier
+        _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's last barrier
         announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
         buffer.barrier()
-        recv_dy, arrival = pull_tokens(dy, buffer, "x", run_offsets)
+        recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
 
         handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
         def to_owners(rows: torch.Tensor, layout: RoutingLayout, _dtopk: torch.Tensor) -> None:  # dx rows, summed
             moe_combine_to_peers_bf16(rows, layout, None, back_rank, back_row, buffer.region("back"), num_recv)
 
-        _, d_recv_weights, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype,
-                                                        combine_dx=to_owners, dy_arrival=arrival)
+        try:
+            _, d_recv_weights, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype,
+                                                            combine_dx=to_owners, dy_arrival=arrival)
+        finally:  # (joined already unless it raised)
+            arrival.join()
         check_calls(buffer)
         ep_push_rows_bf16(None, None, back_rank, back_row, None, f32=d_recv_weights, dst_f32=buffer.region("back_dw"),
                           num_valid=num_recv)

@@ -34,7 +34,7 @@ struct MGroupedGemmParams {
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     __nv_bfloat16* d;          // [M, N]
     __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU; h [M, 2N] (in, then dz) with kSwiGLUBwd
-    const int* group_offsets;  // [G + 1]
+    const int* group_offsets;  // [G * num_passes + 1]
     const int64_t* a_row_index;  // [M] with kGatherA, else unused
     const __nv_bfloat16* a;      // with kGatherA: the source rows [a_rows, K]
     const float* row_weight;     // [M] with kSwiGLUBwd
