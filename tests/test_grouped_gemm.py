@@ -242,6 +242,36 @@ def test_m_grouped_passes_wait_for_their_rows():
 
 
 @requires_sm90
+def test_launch_from_a_thread_with_no_current_context():
+    """Autograd runs backward passes on worker threads, which may have no driver context
+    current yet: a launch there (of a kernel loaded on another thread) must still work."""
+    import threading
+
+    from cuda.bindings import driver as cu
+    a = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    d = [torch.empty(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    offsets = offsets_from_sizes([100, 156])
+    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d[0], offsets)  # loads the kernel on this thread
+    torch.cuda.synchronize()
+    errors = []
+
+    def launch_unbound() -> None:
+        try:
+            assert cu.cuCtxSetCurrent(cu.CUcontext())[0] == cu.CUresult.CUDA_SUCCESS  # no context current
+            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d[1], offsets)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=launch_unbound)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(d[0], d[1])
+
+
+@requires_sm90
 def test_deterministic():
     sizes = random_group_sizes(4096, 16, "skewed")
     a = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)

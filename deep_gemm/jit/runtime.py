@@ -42,26 +42,51 @@ def _current_raw_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-def _ensure_context(device: int) -> None:
-    """Makes the device's primary context (the one PyTorch uses) current on this thread."""
+_primary_contexts: dict[int, object] = {}
+
+
+def _primary_context(device: int):
+    """The device's primary context (the one PyTorch uses), retained once."""
     global _initialized
-    if not _initialized:
-        check(cu.cuInit(0))
-        _initialized = True
-    torch.cuda.init()
-    ctx = check(cu.cuCtxGetCurrent())
-    if ctx is None or int(ctx) == 0:
-        dev = check(cu.cuDeviceGet(device))
-        check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(dev))))
+    ctx = _primary_contexts.get(device)
+    if ctx is None:
+        if not _initialized:
+            check(cu.cuInit(0))
+            _initialized = True
+        torch.cuda.init()
+        ctx = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(device))))
+        _primary_contexts[device] = ctx
+    return ctx
+
+
+class _OnDevice:
+    """Makes `device`'s primary context current for a driver call, and restores the thread's
+    own afterwards. A thread may have none current (autograd's worker threads before their
+    first runtime call: a launch there failed with CUDA_ERROR_INVALID_CONTEXT) or another
+    device's (tensors on a device other than the current one)."""
+
+    def __init__(self, device: int):
+        self.ctx = _primary_context(device)
+        self.pushed = False
+
+    def __enter__(self):
+        current = check(cu.cuCtxGetCurrent())
+        if current is None or int(current) != int(self.ctx):
+            check(cu.cuCtxPushCurrent(self.ctx))
+            self.pushed = True
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            check(cu.cuCtxPopCurrent())
 
 
 def stream_write_u32(address: int, value: int, device: int) -> None:
     """Writes the 32-bit `value` to device memory at `address`, in order on the device's current
     stream: after everything queued before it has finished and its writes are visible (the
     driver's stream memory operation; no SM runs it, so it can signal a kernel already running)."""
-    _ensure_context(device)
-    check(cu.cuStreamWriteValue32(cu.CUstream(_current_raw_stream(device)), cu.CUdeviceptr(address), value,
-                                  cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+    with _OnDevice(device):
+        check(cu.cuStreamWriteValue32(cu.CUstream(_current_raw_stream(device)), cu.CUdeviceptr(address), value,
+                                      cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
 
 
 class Kernel:
@@ -78,7 +103,6 @@ class Kernel:
     def _function(self, device: int):
         fn = self._functions.get(device)
         if fn is None:
-            _ensure_context(device)
             module = check(cu.cuModuleLoadData(self.cubin.read_bytes()))
             fn = check(cu.cuModuleGetFunction(module, self.entry.encode()))
             check(cu.cuFuncSetAttribute(
@@ -90,6 +114,10 @@ class Kernel:
 
     def launch(self, params: bytes, num_blocks: int, device: int) -> None:
         """Launches `num_blocks` CTAs on the current stream of `device` with `params`."""
+        with _OnDevice(device):
+            self._launch(params, num_blocks, device)
+
+    def _launch(self, params: bytes, num_blocks: int, device: int) -> None:
         fn = self._function(device)
         config = self._configs.get((device, num_blocks))
         if config is None:
