@@ -2,9 +2,9 @@
 
 dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the weighted
 activation w * a and the routing-weight gradient <dA, a> (or all three in that GEMM's epilogue,
-FUSED_SWIGLU_BWD) -> dl2 = dy[rows]^T @ (w * a)
-(k-grouped) -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots, with
-dl1 = dz^T @ x[rows] (k-grouped) on a side stream beside the last two. Token rows of dy and x
+FUSED_SWIGLU_BWD) -> dl2 = dy[rows]^T @ (w * a) (k-grouped) -> dx rows = dz @ l1[e]
+(m-grouped nn) -> combine over the K slots, with dl1 = dz^T @ x[rows] (k-grouped) on a side
+stream beside the last two. Token rows of dy and x
 are copied to routed order first, or gathered by the GEMMs' loads (GATHER_ROWS["backward"]).
 """
 from __future__ import annotations
@@ -108,11 +108,10 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     h_dense = h.contiguous()
     act_weighted = dy.new_empty(layout.num_slots, l2.shape[2])
     overlap = dy_arrival is not None and dy_arrival.ready_flags is not None and not FUSED_SWIGLU_BWD
-    if dy_arrival is not None and not overlap:
-        dy_arrival.join()
     if overlap:  # dA's GEMM gathers dy's rows pass by pass as they land; dl2's reads them after
         m_grouped_bf16_gemm_nn_contiguous(dy, l2, act_weighted, dy_arrival.run_offsets, a_row_index=layout.row_token,
                                           num_passes=dy_arrival.num_passes, ready_flags=dy_arrival.ready_flags)
+    if dy_arrival is not None:  # every row has landed before anything else reads dy
         dy_arrival.join()
     dy_rows, dy_index = moe_forward_module.routed_rows(dy, layout, gather)
     if FUSED_SWIGLU_BWD:  # dA = dy @ l2[e] stays in registers

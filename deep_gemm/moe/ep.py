@@ -98,8 +98,8 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
 
     Returns the rows and their `RowArrival` (with `run_offsets`, the layout's per-(expert, pass)
     offsets), whose ``join`` the caller must reach before the rows are read other than by a
-    GEMM that waits on the flags, and also when it raises (``join`` resets the flags). On the
-    CPU the copies are synchronous."""
+    GEMM that waits on the flags, and also when it raises (``join`` resets the flags; calls
+    after the first do nothing). On the CPU the copies are synchronous."""
     world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
     rows = own.new_empty(world * max_tokens, own.shape[1])
     rows[:own.shape[0]].copy_(own)
@@ -118,8 +118,12 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
             stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
     rows.record_stream(stream)  # not reused before the copies into it are done, whatever happens
 
-    def join() -> None:
-        current.wait_stream(stream)
-        flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
+    joined = []
+
+    def join() -> None:  # once: callers also join in `finally`
+        if not joined:
+            joined.append(True)
+            current.wait_stream(stream)
+            flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
     return rows, RowArrival(run_offsets, world, flags if OVERLAP_PULL else None, join)

@@ -219,9 +219,9 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
 
 
 def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tensor], dst_rank: torch.Tensor,
-                      dst_row: torch.Tensor, dst_rows: Optional[PeerRegion], *, f32: Optional[torch.Tensor] = None, dst_f32: Optional[PeerRegion] = None,
-                 i32: Optional[torch.Tensor] = None, dst_i32: Optional[PeerRegion] = None,
-                 num_valid: Optional[torch.Tensor] = None, num_ctas: Optional[int] = None) -> None:
+                      dst_row: torch.Tensor, dst_rows: Optional[PeerRegion], *, f32: Optional[torch.Tensor] = None,
+                      dst_f32: Optional[PeerRegion] = None, i32: Optional[torch.Tensor] = None,
+                      dst_i32: Optional[PeerRegion] = None, num_valid: Optional[torch.Tensor] = None) -> None:
     """For each entry i < n = ``dst_row.numel()`` (and i < ``num_valid[0]`` when given, read
     on the GPU): writes row r = ``src_row[i]`` (i if `src_row` is None) of `src` as row
     ``dst_row[i]`` of rank ``dst_rank[i]``'s region `dst_rows`, and row r of `f32` / `i32`
@@ -231,8 +231,7 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
     src ``[*, H]`` bf16 (H % 8 == 0); f32 ``[*, C]`` float32 and i32 ``[*, C']`` int32, indexed
     like src; src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``; the destinations are
     regions of every rank's symmetric buffer (`SymmBuffer.region`) with rows of H, C, C'
-    elements. Stream-ordered; the caller barriers before peers read. `num_ctas` sets the grid
-    (default 4 CTAs per SM; fewer leave SMs to kernels running beside the push).
+    elements. Stream-ordered; the caller barriers before peers read.
     """
     if (src is None) != (dst_rows is None):
         raise ValueError("src needs its destination region dst_rows")
@@ -252,8 +251,6 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
         raise ValueError("each payload needs its destination region")
     if num_valid is not None and (num_valid.dtype != torch.int32 or num_valid.numel() != 1):
         raise ValueError("num_valid must be one int32 value")
-    if num_ctas is not None and num_ctas <= 0:
-        raise ValueError(f"num_ctas must be positive, got {num_ctas}")
     check_cuda_devices(**{name: t for name, t in (("src", src), ("src_row", src_row), ("dst_rank", dst_rank),
                                                  ("dst_row", dst_row), ("f32", f32), ("i32", i32),
                                                  ("num_valid", num_valid)) if t is not None})
@@ -264,4 +261,4 @@ def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tenso
     cols = lambda t: 0 if t is None else t.shape[1]  # noqa: E731
     _launch("ep_push_rows", [ptr(src), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
                              ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
-            [n, hidden, cols(f32), cols(i32)], dst_row.device.index, num_ctas)
+            [n, hidden, cols(f32), cols(i32)], dst_row.device.index)

@@ -1,8 +1,9 @@
 """Routing layout: which routed row of the expert-sorted buffers holds which (token, slot).
 
 Built on the GPU by our counting-sort kernels (`glue.moe_routing_layout`), or by PyTorch ops
-on the CPU, with no host synchronisation: the number of routed rows is never read on the host, buffers are sized for all T * K slots and the rows past the last expert
-(empty `-1` slots) belong to no group, so the grouped GEMMs skip them.
+on the CPU, with no host synchronisation: the number of routed rows is never read on the host,
+buffers are sized for all T * K slots and the rows past the last expert (empty `-1` slots)
+belong to no group, so the grouped GEMMs skip them.
 """
 from __future__ import annotations
 

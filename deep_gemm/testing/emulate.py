@@ -117,7 +117,7 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
 
 
 def ep_push_rows(src, src_row, dst_rank, dst_row, dst_rows, *, f32=None, dst_f32=None, i32=None, dst_i32=None,
-                 num_valid=None, num_ctas=None):
+                 num_valid=None):
     """Emulates `deep_gemm.moe.glue.ep_push_rows_bf16`, writing into the regions' tensors."""
     n = dst_row.numel() if num_valid is None else min(dst_row.numel(), int(num_valid[0]))
     index = torch.arange(n, device=dst_row.device)
