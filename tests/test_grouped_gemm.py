@@ -244,7 +244,8 @@ def test_m_grouped_passes_wait_for_their_rows():
 @requires_sm90
 def test_launch_from_a_thread_with_no_current_context():
     """Autograd runs backward passes on worker threads, which may have no driver context
-    current yet: a launch there (of a kernel loaded on another thread) must still work."""
+    current yet: a launch there (of a kernel loaded on another thread, with operands whose TMA
+    descriptors are encoded there) must still work."""
     import threading
 
     from cuda.bindings import driver as cu
@@ -253,13 +254,14 @@ def test_launch_from_a_thread_with_no_current_context():
     d = [torch.empty(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     offsets = offsets_from_sizes([100, 156])
     deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d[0], offsets)  # loads the kernel on this thread
+    a_new = a.clone()  # a buffer no descriptor has been encoded for yet
     torch.cuda.synchronize()
     errors = []
 
     def launch_unbound() -> None:
         try:
             assert cu.cuCtxSetCurrent(cu.CUcontext())[0] == cu.CUresult.CUDA_SUCCESS  # no context current
-            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d[1], offsets)
+            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a_new, b, d[1], offsets)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)

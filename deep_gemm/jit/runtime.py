@@ -59,7 +59,7 @@ def _primary_context(device: int):
     return ctx
 
 
-class _OnDevice:
+class OnDevice:
     """Makes `device`'s primary context current for a driver call, and restores the thread's
     own afterwards. A thread may have none current (autograd's worker threads before their
     first runtime call: a launch there failed with CUDA_ERROR_INVALID_CONTEXT) or another
@@ -84,7 +84,7 @@ def stream_write_u32(address: int, value: int, device: int) -> None:
     """Writes the 32-bit `value` to device memory at `address`, in order on the device's current
     stream: after everything queued before it has finished and its writes are visible (the
     driver's stream memory operation; no SM runs it, so it can signal a kernel already running)."""
-    with _OnDevice(device):
+    with OnDevice(device):
         check(cu.cuStreamWriteValue32(cu.CUstream(_current_raw_stream(device)), cu.CUdeviceptr(address), value,
                                       cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
 
@@ -114,7 +114,7 @@ class Kernel:
 
     def launch(self, params: bytes, num_blocks: int, device: int) -> None:
         """Launches `num_blocks` CTAs on the current stream of `device` with `params`."""
-        with _OnDevice(device):
+        with OnDevice(device):
             self._launch(params, num_blocks, device)
 
     def _launch(self, params: bytes, num_blocks: int, device: int) -> None:

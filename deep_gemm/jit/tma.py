@@ -7,7 +7,7 @@ import functools
 import torch
 from cuda.bindings import driver as cu
 
-from .runtime import check
+from .runtime import OnDevice, check
 
 _DTYPES = {
     torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -16,16 +16,18 @@ _DTYPES = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode(dtype: torch.dtype, address: int, dims: tuple, strides_bytes: tuple, box: tuple) -> bytes:
+def _encode(device: int, dtype: torch.dtype, address: int, dims: tuple, strides_bytes: tuple,
+            box: tuple) -> bytes:
     """dims and box innermost first; strides_bytes of every dimension but the innermost."""
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t  # some cuda-bindings versions reject plain ints here
-    tensor_map = check(cu.cuTensorMapEncodeTiled(
-        _DTYPES[dtype], len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides_bytes],
-        [u32(b) for b in box], [u32(1)] * len(dims),
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    with OnDevice(device):  # the encoder wants a current context (autograd's threads may have none)
+        tensor_map = check(cu.cuTensorMapEncodeTiled(
+            _DTYPES[dtype], len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides_bytes],
+            [u32(b) for b in box], [u32(1)] * len(dims),
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     return ctypes.string_at(tensor_map.getPtr(), 128)
 
 
@@ -37,7 +39,8 @@ def make_tma_2d_desc(t: torch.Tensor, rows: int, cols: int, box_cols: int, box_r
     on these arguments, so re-encoding the same buffer in the next step costs a dict lookup.
     """
     assert box_cols * t.element_size() == 128
-    return _encode(t.dtype, t.data_ptr(), (cols, rows), (cols * t.element_size(),), (box_cols, box_rows))
+    return _encode(t.device.index, t.dtype, t.data_ptr(), (cols, rows), (cols * t.element_size(),),
+                   (box_cols, box_rows))
 
 
 def make_tma_3d_desc(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
@@ -48,4 +51,5 @@ def make_tma_3d_desc(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
     assert box_cols * t.element_size() == 128 and t.dim() == 3 and t.is_contiguous()
     g, rows, cols = t.shape
     row_bytes = cols * t.element_size()
-    return _encode(t.dtype, t.data_ptr(), (cols, rows, g), (row_bytes, rows * row_bytes), (box_cols, box_rows, 1))
+    return _encode(t.device.index, t.dtype, t.data_ptr(), (cols, rows, g), (row_bytes, rows * row_bytes),
+                   (box_cols, box_rows, 1))
