@@ -57,7 +57,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
                       dl2: Optional[torch.Tensor] = None, keep_handle: bool = False,
                       combine_dx: Optional[Callable[[torch.Tensor, RoutingLayout, torch.Tensor],
                                                     Optional[torch.Tensor]]] = None,
-                      dy_arrival: Optional[RowArrival] = None
+                      dy_arrival: Optional[RowArrival] = None,
+                      send_dx_early: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
                       ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
 
@@ -73,6 +74,10 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             what it returns is returned as dx.
         dy_arrival: for expert parallelism: dy's rows are still landing (see
             `deep_gemm.moe.forward.RowArrival`); dA's GEMM reads each pass once it has landed.
+        send_dx_early: for expert parallelism, with `dy_arrival` in S > 1 passes: dx's GEMM
+            computes the rows of passes 1..S-1 (other ranks' tokens) first and calls
+            ``send_dx_early(dx_rows, dtopk_weights)``, so that what it starts overlaps the GEMM's
+            work on pass 0; `combine_dx` follows.
         keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
             gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
             so a saved copy of it cannot be reused silently) and a second backward with it
@@ -147,7 +152,13 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         dtopk_weights = torch.where(layout.slot_valid, row_dw.index_select(0, layout.slot_row.flatten())
                                     .view_as(layout.slot_row), 0.0)
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
-        m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)  # dz @ l1[e]
+        if send_dx_early is not None and dy_arrival is not None and dy_arrival.num_passes > 1:  # dz @ l1[e]
+            runs = dict(group_offsets=dy_arrival.run_offsets, num_passes=dy_arrival.num_passes)
+            m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, **runs, pass_range=(1, dy_arrival.num_passes))
+            send_dx_early(dxs, dtopk_weights)
+            m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, **runs, pass_range=(0, 1))
+        else:
+            m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)
         if combine_dx is None:
             dx = moe_combine_bf16(dxs, layout, None, torch.empty_like(dy))
         else:

@@ -1,5 +1,6 @@
-"""A small run of every kernel variant (grouped GEMMs with and without row gathers, the MoE
-layer forward and backward) for compute-sanitizer memcheck and racecheck."""
+"""A small run of every kernel variant (grouped GEMMs with and without row gathers, in passes,
+the MoE layer forward and backward, the combine with other GPUs' partial sums) for
+compute-sanitizer memcheck and racecheck."""
 import os
 import sys
 
@@ -10,6 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
+from deep_gemm.moe.glue import moe_combine_bf16  # noqa: E402
+from deep_gemm.moe.layout import build_routing_layout  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
@@ -29,6 +32,8 @@ for config in m_grouped_bf16.all_configs():
 flags = torch.ones(2, dtype=torch.int32, device="cuda")
 run_offsets = offsets_from_sizes([0, 0, 1, 0, 60, 70, 30, 34, 0, 70])
 deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, run_offsets, a_row_index=index, num_passes=2, ready_flags=flags)
+for pass_range in ((1, 2), (0, 1)):  # one pass per launch
+    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, run_offsets, num_passes=2, pass_range=pass_range)
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):
@@ -42,5 +47,11 @@ for fused_gather in (False, True):
     moe_forward_module.GATHER_ROWS = {"forward": fused_gather, "backward": fused_gather}
     y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
     mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+# The combine adding other GPUs' partial sums once their flags are set (set already here).
+layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
+moe_combine_bf16(torch.randn(400, 256, device="cuda", dtype=torch.bfloat16), layout, p["topk_weights"],
+                 torch.empty(100, 256, device="cuda", dtype=torch.bfloat16),
+                 addend=torch.randn(2, 120, 256, device="cuda", dtype=torch.bfloat16), addend_ready=flags,
+                 addend_source=flags)
 torch.cuda.synchronize()
 print("sanitize case done")

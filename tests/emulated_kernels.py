@@ -4,7 +4,7 @@ from typing import Callable
 
 import deep_gemm.moe.forward as moe_forward_module
 import megamoe_bwd.backward as moe_backward_module
-import megamoe_bwd.ep.nvlink as nvlink_module
+import deep_gemm.moe.ep as ep_module
 from deep_gemm.testing import emulate
 
 REPLACEMENTS = [
@@ -18,9 +18,7 @@ REPLACEMENTS = [
     (moe_backward_module, "m_grouped_bf16_gemm_nn_contiguous", emulate.m_grouped_gemm_nn),
     (moe_backward_module, "m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous", emulate.m_grouped_gemm_nn_swiglu_bwd),
     (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
-    (nvlink_module, "moe_combine_bf16", emulate.moe_combine),
-    (nvlink_module, "ep_push_rows_bf16", emulate.ep_push_rows),
-    (nvlink_module, "moe_combine_to_peers_bf16", emulate.moe_combine_to_peers),
+    (ep_module, "moe_combine_bf16", emulate.moe_combine),
 ]
 
 

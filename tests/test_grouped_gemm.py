@@ -211,6 +211,29 @@ def test_m_grouped_passes(num_passes, swiglu):
 
 
 @requires_sm90
+@pytest.mark.parametrize("b_mn_major", [False, True], ids=["nt", "nn"])
+@pytest.mark.parametrize("num_passes", [2, 4])
+def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major):
+    """A launch over passes [begin, end) writes their runs and leaves every other row alone; two
+    launches that cover all passes equal one launch over them (bitwise)."""
+    num_groups, n, k = 5, 384, 256
+    sizes, source, index = _passes_problem(num_groups, num_passes, k)
+    a, offsets = source[index], offsets_from_sizes(sizes)
+    shape = (num_groups, k, n) if b_mn_major else (num_groups, n, k)
+    b = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / k**0.5
+    gemm = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if b_mn_major else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
+    whole = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(a, b, whole, offsets, num_passes=num_passes)
+    split = torch.full_like(whole, float("nan"))
+    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(1, num_passes))
+    row_pass = torch.tensor([s % num_passes for s, size in enumerate(sizes) for _ in range(size)], device="cuda")
+    assert torch.isnan(split[row_pass == 0]).all(), "pass 0 was not in the range"
+    assert torch.equal(split[row_pass > 0], whole[row_pass > 0])
+    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(0, 1))
+    assert torch.equal(split, whole)
+
+
+@requires_sm90
 def test_m_grouped_passes_wait_for_their_rows():
     """A pass's rows are read only after its flag is set: here they are NaN until another stream
     copies them in from pinned host memory (a copy engine: the waiting GEMM may hold every SM)
@@ -332,6 +355,8 @@ def test_m_grouped_rejects_bad_input(args, error, match):
     (dict(num_passes=33), "num_passes must be in"),
     (dict(num_passes=2), "not a multiple of num_passes"),
     (dict(num_passes=3, ready_flags=torch.ones(2, dtype=torch.int32)), "ready_flags needs 3 entries"),
+    (dict(num_passes=3, pass_range=(2, 2)), "pass_range must satisfy"),
+    (dict(num_passes=3, pass_range=(0, 4)), "pass_range must satisfy"),
 ])
 def test_m_grouped_passes_reject_bad_input(kwargs, match):
     a, b, d = _bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32)

@@ -86,9 +86,7 @@ def test_emulations_take_the_kernels_arguments():
     import inspect
     import deep_gemm.moe.glue as glue
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
-             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.ep_push_rows_bf16, emulate.ep_push_rows),
-             (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
-             (glue.moe_combine_to_peers_bf16, emulate.moe_combine_to_peers),
+             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
@@ -242,30 +240,74 @@ def test_combine_kernel(weighted):
 
 
 @requires_sm90
-def test_combine_to_peers_writes_each_token_where_it_is_sent():
-    """Two buffers of this process stand in for two ranks' regions."""
-    from deep_gemm.moe.glue import moe_combine_bf16, moe_combine_to_peers_bf16
-    from deep_gemm.moe.symm import PeerRegion
-    T, H = 300, 512
+def test_combine_adds_partial_sums_of_other_gpus():
+    """out[t] = weighted sum over t's slots + sum_j addend[j, t] (addend blocks may be longer than T)."""
+    from deep_gemm.moe.glue import moe_combine_bf16
+    T, H, J = 300, 512, 3
     topk_idx = make_moe_inputs(T, 64, 64, 16, 4, device="cuda", empty_slot_frac=0.2)["topk_idx"]
     weights = torch.rand(T, 4, device="cuda")
     layout = build_routing_layout(topk_idx, weights, 16)
     rows = torch.randn(4 * T, H, device="cuda", dtype=torch.bfloat16)
-    regions = [torch.full((2 * T, H), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    region = PeerRegion(tuple(regions), torch.tensor([r.data_ptr() for r in regions], device="cuda"))
-    dst_rank = torch.randint(0, 2, (T,), device="cuda", dtype=torch.int32)
-    dst_row = torch.randperm(2 * T, device="cuda")[:T]
-    dst_row[::7] = -1  # not sent
-    num_valid = torch.tensor([T - 10], device="cuda", dtype=torch.int32)  # the last 10 tokens: not sent
-    moe_combine_to_peers_bf16(rows, layout, weights, dst_rank, dst_row, region, num_valid)
-    expected = moe_combine_bf16(rows, layout, weights, torch.empty(T, H, device="cuda", dtype=torch.bfloat16))
-    sent = (dst_row >= 0) & (torch.arange(T, device="cuda") < T - 10)
-    for rank, buffer in enumerate(regions):
-        mine = sent & (dst_rank == rank)
-        assert torch.equal(buffer[dst_row[mine]], expected[mine])
-        written = torch.zeros(2 * T, dtype=torch.bool, device="cuda")
-        written[dst_row[mine]] = True
-        assert buffer[~written].isnan().all()  # nothing else touched
+    addend = torch.randn(J, T + 20, H, device="cuda", dtype=torch.bfloat16)
+    out = moe_combine_bf16(rows, layout, weights, torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+                           addend=addend)
+    expected = emulate.moe_combine(rows, layout, weights, torch.empty(T, H, device="cuda", dtype=torch.float64),
+                                   addend=addend)
+    assert relative_error(out, expected) < 4e-3
+
+
+@requires_sm90
+@pytest.mark.parametrize("num_tokens", [300, 0])
+def test_combine_waits_for_its_addends_to_land(num_tokens):
+    """Addend block j is read only once its flag is set: here the blocks are NaN until another
+    stream copies them in from pinned host memory (a copy engine, as another GPU's would be)
+    after a sleep and sets the flags, the later block first. With T = 0 the kernel still waits
+    (its caller resets the flags after it)."""
+    from deep_gemm.jit.runtime import stream_write_u32
+    from deep_gemm.moe.glue import moe_combine_bf16
+    T, H, J = num_tokens, 256, 2
+    layout = build_routing_layout(make_moe_inputs(T, 64, 64, 16, 4, device="cuda")["topk_idx"],
+                                  torch.rand(T, 4, device="cuda"), 16)
+    rows = torch.randn(4 * T, H, device="cuda", dtype=torch.bfloat16)
+    real = torch.randn(J, max(T, 4), H, device="cuda", dtype=torch.bfloat16)
+    landing = real.cpu().pin_memory()
+    addend = torch.full_like(real, float("nan"))
+    flags = torch.zeros(J, dtype=torch.int32, device="cuda")
+    sources = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for j in (1, 0):
+            torch.cuda._sleep(20_000_000)
+            addend[j].copy_(landing[j], non_blocking=True)
+            stream_write_u32(flags[j:].data_ptr(), 1, rows.device.index)
+    out = moe_combine_bf16(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+                           addend=addend, addend_ready=flags, addend_source=sources)
+    done = torch.cuda.Event()
+    done.record()
+    torch.cuda.current_stream().wait_stream(side)
+    expected = emulate.moe_combine(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.float64),
+                                   addend=real)
+    assert not torch.isnan(out).any(), "an addend was read before its flag was set"
+    if T:
+        assert relative_error(out, expected) < 4e-3
+    done.synchronize()
+    assert flags.tolist() == [1, 1]
+
+
+@requires_sm90
+def test_combine_rejects_bad_addends():
+    from deep_gemm.moe.glue import moe_combine_bf16
+    layout = build_routing_layout(torch.tensor([[0, 1]], device="cuda"), torch.ones(1, 2, device="cuda"), 2)
+    rows, out = (torch.zeros(n, 8, device="cuda", dtype=torch.bfloat16) for n in (2, 1))
+    addend = torch.zeros(2, 1, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="addend must be"):
+        moe_combine_bf16(rows, layout, None, out, addend=addend[0])
+    with pytest.raises(ValueError, match="addend_ready needs addend"):
+        moe_combine_bf16(rows, layout, None, out, addend_ready=torch.zeros(2, device="cuda", dtype=torch.int32))
+    with pytest.raises(ValueError, match="addend_source must be"):
+        moe_combine_bf16(rows, layout, None, out, addend=addend,
+                         addend_ready=torch.zeros(2, device="cuda", dtype=torch.int32))
 
 
 def _routed_layout(T=600, K=6, E=16, empty=0.2):

@@ -224,15 +224,13 @@ def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
     return SymmBuffer([storage], 0, None, E_LOCAL, max_tokens, K, H, barrier=lambda: None)
 
 
-def test_plan_marks_the_ranks_of_each_tokens_experts():
-    from deep_gemm.moe.ep import build_ep_plan, exchange_token_counts
+def test_every_rank_writes_its_token_count_into_every_buffer():
+    from deep_gemm.moe.ep import exchange_token_counts
     storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
-    buffer = SymmBuffer(storages, 1, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None)  # rank 1 of 2
-    idx = torch.tensor([[2, 0, -1, 3], [-1, -1, -1, -1], [3, 5, -1, 0], [7, -1, -1, -1]])  # experts 4.. on rank 1
-    plan = build_ep_plan(idx, buffer, exchange_token_counts(buffer, 4))
-    assert plan.pairs.slot_valid.tolist() == [[True, False], [False, False], [True, True], [False, True]]
-    assert plan.pairs.slot_row.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]], "pair p = t * world + r"
-    assert plan.source_tokens.tolist() == [0, 4], "every rank writes its token count into every buffer"
+    ranks = [SymmBuffer(storages, r, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None) for r in range(2)]
+    exchange_token_counts(ranks[0], 3)
+    assert exchange_token_counts(ranks[1], 4).tolist() == [3, 4]
+    assert ranks[0].local["num_tokens"].tolist() == [3, 4]
 
 
 def test_ranks_in_different_calls_are_stopped():

@@ -58,10 +58,10 @@ _printed: set = set()
 def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: torch.Tensor, b_mn_major: bool,
             config: Optional[GemmConfig], a_row_index: Optional[torch.Tensor],
             act: Optional[torch.Tensor] = None, swiglu_bwd: Optional[tuple] = None, num_passes: int = 1,
-            ready_flags: Optional[torch.Tensor] = None) -> None:
+            ready_flags: Optional[torch.Tensor] = None, pass_range: Optional[tuple[int, int]] = None) -> None:
     """`act`: the SwiGLU forward epilogue's second output; `swiglu_bwd`: (h, row_weight,
     row_dw_part) of the SwiGLU backward epilogue, whose `d` is act_weighted; `num_passes`,
-    `ready_flags`: see `m_grouped_bf16_gemm_nt_contiguous`."""
+    `ready_flags`, `pass_range`: see `m_grouped_bf16_gemm_nt_contiguous`."""
     layout = "nn_swiglu_bwd" if swiglu_bwd is not None else ("nn" if b_mn_major else
                                                             ("nt_swiglu" if act is not None else "nt"))
     check_tensor("a", a, torch.bfloat16, 2)
@@ -73,6 +73,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     if num_runs % num_passes:
         raise ValueError(f"group_offsets describes {num_runs} runs, not a multiple of num_passes = {num_passes}")
     num_groups = num_runs // num_passes
+    pass_begin, pass_end = (0, num_passes) if pass_range is None else pass_range
+    if not 0 <= pass_begin < pass_end <= num_passes:
+        raise ValueError(f"pass_range must satisfy 0 <= begin < end <= num_passes = {num_passes}, got {pass_range}")
     if ready_flags is not None:
         check_tensor("ready_flags", ready_flags, torch.int32, 1)
         if ready_flags.numel() < num_passes:
@@ -146,7 +149,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     params = pack_params([tma_a, tma_b], [d.data_ptr(), ptr(aux), group_offsets.data_ptr(), ptr(a_row_index),
                                           a.data_ptr(), ptr(row_weight if swiglu_bwd else None),
                                           ptr(row_dw_part if swiglu_bwd else None), ptr(ready_flags)],
-                         [m, n, k, num_groups, a_rows, num_passes])
+                         [m, n, k, num_groups, a_rows, num_passes, pass_begin, pass_end])
     num_tiles_bound = (m // BLOCK_M + num_runs) * ((n + config.block_n - 1) // config.block_n)
     num_sms = min(get_num_sms(device.index), max(num_tiles_bound, 1))
     get_kernel(config, b_mn_major, a_row_index is not None, act is not None,
@@ -156,7 +159,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
                                       config: Optional[GemmConfig] = None, num_passes: int = 1,
-                                      ready_flags: Optional[torch.Tensor] = None) -> None:
+                                      ready_flags: Optional[torch.Tensor] = None,
+                                      pass_range: Optional[tuple[int, int]] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g].T`` (MoE forward), in place into `d`.
 
     Args:
@@ -183,16 +187,21 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             from another GPU's memory or from pinned host memory; a kernel, or a copy whose
             source and destination both lie in this GPU's memory, does not). A wait of ~10 s
             traps.
+        pass_range: optional ``(begin, end)``: this launch computes only the runs of passes
+            ``begin <= s < end`` (rows of other passes are left as they are), so that a caller
+            can act on some passes' results before the others are computed.
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
-    _launch(a, b, d, group_offsets, False, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags)
+    _launch(a, b, d, group_offsets, False, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags,
+            pass_range=pass_range)
 
 
 def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       group_offsets: torch.Tensor, *, a_row_index: Optional[torch.Tensor] = None,
                                       config: Optional[GemmConfig] = None, num_passes: int = 1,
-                                      ready_flags: Optional[torch.Tensor] = None) -> None:
+                                      ready_flags: Optional[torch.Tensor] = None,
+                                      pass_range: Optional[tuple[int, int]] = None) -> None:
     """Grouped ``D[rows of g] = A[rows of g] @ B[g]`` (MoE data gradient), in place into `d`.
 
     Args:
@@ -203,12 +212,13 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         group_offsets: ``[G + 1]`` int32 on the GPU, as in `m_grouped_bf16_gemm_nt_contiguous`.
         a_row_index: optional int64 ``[M]`` row gather of `a`, as in the nt version.
         config: force a kernel variant (one of `all_configs()`); the default picks by N.
-        num_passes, ready_flags: rows in passes that wait for their data, as in
-            `m_grouped_bf16_gemm_nt_contiguous`.
+        num_passes, ready_flags, pass_range: rows in passes (that wait for their data, that
+            one launch computes), as in `m_grouped_bf16_gemm_nt_contiguous`.
 
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
-    _launch(a, b, d, group_offsets, True, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags)
+    _launch(a, b, d, group_offsets, True, config, a_row_index, num_passes=num_passes, ready_flags=ready_flags,
+            pass_range=pass_range)
 
 
 def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, act: torch.Tensor,

@@ -8,31 +8,26 @@ tokens per rank; rows past a rank's token count are empty), its own tokens first
 token count goes into every rank's buffer, so no host synchronisation and no second exchange is
 needed. Whole regions are copied, also the tokens that name no expert of the receiver (at EP = 2
 with K = 8 of 128 experts, 0.3% of them; more at larger EP).
+
+Results go back the same way round: the last GEMM computes passes 1..S-1 first; each other
+rank's tokens are summed over this rank's experts into a local buffer (`send_partials`), and
+the copy engines write those sums into the owner's buffer while the GEMM works on pass 0. The
+owner adds them to its own sums in one combine (`gather_partials`) that waits on the GPU for
+the flags the senders set after their rows. That wait also ends the exchange: a rank's last
+read of the others' buffers (its pulls) comes before its sends, so once a rank has everyone's
+partial sums, nobody reads its buffer any more and its next exchange may start.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..jit.runtime import stream_write_u32
 from .forward import RowArrival
+from .glue import moe_combine_bf16
 from .layout import RoutingLayout
 from .symm import SymmBuffer
-
-
-@dataclass
-class EpPlan:
-    """Where this rank's tokens went.
-
-    pairs:         token-side layout over the (token, rank) pairs p = t * world + r, for summing
-                   each token's results over the ranks it went to (``slot_row`` [T, world] is
-                   the pair, ``slot_valid`` whether one of the token's experts lives on r).
-    source_tokens: int32 ``[world]`` on the GPU: the token count of every rank.
-    """
-
-    pairs: RoutingLayout
-    source_tokens: torch.Tensor
 
 
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
@@ -47,6 +42,8 @@ def announce_call(buffer: SymmBuffer, kind: int) -> None:
 
 
 def check_calls(buffer: SymmBuffer) -> None:
+    """Run after an exchange's barrier and before this rank's first send of it: once a rank has
+    everyone's results it may announce its next exchange."""
     calls = buffer.local["calls"]
     same = (calls == calls[buffer.rank]).all()
     message = "expert-parallel ranks are in different layer calls (one skipped a forward or backward?)"
@@ -59,30 +56,14 @@ def check_calls(buffer: SymmBuffer) -> None:
 def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
     """Starts a forward exchange: collective over the buffer's group (one barrier). Returns every
     rank's token count, int32 ``[world]`` on the GPU. Whatever a rank staged in its buffer before
-    this call is readable by the others after it. The caller runs `check_calls` before the
-    exchange's last barrier (it may come later: the check is asynchronous anyway)."""
-    # No barrier first: every exchange ends with one that each rank reaches only after its last
-    # read of the others' buffers, and the counts were read before that.
+    this call is readable by the others after it. The caller runs `check_calls` next."""
+    # No barrier first: every exchange ends with `gather_partials`, which a rank passes only
+    # once every other rank has sent its partial sums, after its last read of this rank's buffer.
     announce_call(buffer, 0)
     for peer_tokens in buffer.region("num_tokens").tensors:
         peer_tokens[buffer.rank:buffer.rank + 1].fill_(num_tokens)
     buffer.barrier()
     return buffer.local["num_tokens"].clone()
-
-
-def build_ep_plan(topk_idx: torch.Tensor, buffer: SymmBuffer, source_tokens: torch.Tensor) -> EpPlan:
-    """Which ranks each token goes to; no communication. `topk_idx` ``[T, K]`` int64 holds global
-    expert ids (expert e on rank ``e // E_local``; ids outside ``[0, E)`` are empty),
-    `source_tokens` is from `exchange_token_counts`."""
-    num_tokens, world, device = topk_idx.shape[0], buffer.world, topk_idx.device
-    pair = buffer.constant(("pairs", device), lambda: torch.arange(buffer.max_tokens * world, device=device)
-                           .view(buffer.max_tokens, world))[:num_tokens]
-    ranks = buffer.constant(("ranks", device), lambda: torch.arange(world, device=device))
-    # Floor division sends empty slots (-1) to rank -1 and ids >= E to ranks >= world: neither matches.
-    in_rank = (topk_idx.div(buffer.num_local_experts, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-    pairs = RoutingLayout(offsets=pair.new_empty(0, dtype=torch.int32), row_token=pair.flatten(),
-                          row_weight=pair.new_empty(0, dtype=torch.float32), slot_row=pair, slot_valid=in_rank)
-    return EpPlan(pairs=pairs, source_tokens=source_tokens)
 
 
 # Whether GEMM1 starts on this rank's own tokens while the others' are copied in (True), or the
@@ -127,3 +108,74 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
             flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
     return rows, RowArrival(run_offsets, world, flags if OVERLAP_PULL else None, join)
+
+
+def _token_slots(layout: RoutingLayout, begin: int, end: int) -> RoutingLayout:
+    """The layout seen from tokens ``[begin, end)`` of its token order (for a combine)."""
+    return RoutingLayout(layout.offsets, layout.row_token, layout.row_weight, layout.slot_row[begin:end],
+                         layout.slot_valid[begin:end])
+
+
+def send_partials(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor], buffer: SymmBuffer,
+                  dw: Optional[torch.Tensor] = None) -> None:
+    """Sends each other rank its tokens' results from this rank, once the rows of passes
+    1..S-1 are computed: sums every token of those passes over its slots here
+    (`moe_combine_bf16` of `rows` ``[*, H]`` in `layout`'s routed order, with `weights` ``[S * M,
+    K]`` or unweighted) into a local buffer; then the copy engines write pass s's sums into rank
+    ``(rank + s) % world``'s "back" region (block s - 1), with rows ``[s * M, (s + 1) * M)`` of
+    `dw` (fp32 ``[S * M, K]``, routing-weight gradients) into its "back_dw", and set its
+    ``arrived[s - 1]``. Whole blocks of M rows go (zeros past a rank's token count). Returns
+    once the work is queued; `gather_partials` on the receiver waits for it."""
+    world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
+    if world == 1:
+        return
+    partial = rows.new_empty((world - 1) * max_tokens, rows.shape[1])
+    moe_combine_bf16(rows, _token_slots(layout, max_tokens, world * max_tokens),
+                     None if weights is None else weights[max_tokens:], partial)
+    back, back_dw, arrived = (buffer.region(name).tensors for name in ("back", "back_dw", "arrived"))
+    stream = buffer.copy_stream
+
+    def copy_all() -> None:
+        for s in range(1, world):
+            peer, block = (me + s) % world, slice((s - 1) * max_tokens, s * max_tokens)
+            back[peer][block].copy_(partial[block])  # to another GPU's memory: a copy engine
+            if dw is not None:
+                back_dw[peer][block].copy_(dw[s * max_tokens:(s + 1) * max_tokens])
+            if stream is not None:  # after the rows: a stream memory operation with a system-wide fence
+                stream_write_u32(arrived[peer][s - 1:].data_ptr(), 1, rows.device.index)
+
+    if stream is None:  # CPU buffers: synchronous copies (`gather_partials` has a barrier)
+        copy_all()
+        return
+    stream.wait_stream(torch.cuda.current_stream(rows.device))
+    with torch.cuda.stream(stream):
+        copy_all()
+    for t in (partial, dw):  # not reused before the copies from them are done
+        if t is not None:
+            t.record_stream(stream)
+
+
+def gather_partials(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor], buffer: SymmBuffer,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Ends an exchange: ``out [T, H]`` = this rank's T tokens summed over their slots here
+    (`rows`, `layout` and `weights` as in `send_partials`; pass 0 = tokens ``[0, T)``) plus the
+    partial sums every other rank sent (`send_partials`), which the combine waits for on the GPU
+    (~10 s at most: then it reports the rank it waited on and traps). Afterwards this rank's
+    "back_dw" holds the others' routing-weight gradients (block s - 1 from rank rank - s) until
+    its next exchange; the flags are reset and the current stream has joined the copy stream."""
+    world, me, max_tokens, num_tokens = buffer.world, buffer.rank, buffer.max_tokens, out.shape[0]
+    own = _token_slots(layout, 0, num_tokens)
+    own_weights = None if weights is None else weights[:num_tokens]
+    if world == 1:
+        return moe_combine_bf16(rows, own, own_weights, out)
+    back = buffer.local["back"].view(world - 1, max_tokens, -1)
+    if buffer.copy_stream is None:  # CPU buffers: the others' copies are done once they reach this barrier
+        buffer.barrier()
+        return moe_combine_bf16(rows, own, own_weights, out, addend=back)
+    arrived = buffer.local["arrived"]
+    sources = buffer.constant(("sources", out.device), lambda: (
+        (me - 1 - torch.arange(world - 1, device=out.device)) % world).to(torch.int32))
+    moe_combine_bf16(rows, own, own_weights, out, addend=back, addend_ready=arrived, addend_source=sources)
+    arrived.zero_()  # after the combine that waited on them; the next sends come after the next barrier
+    torch.cuda.current_stream(out.device).wait_stream(buffer.copy_stream)
+    return out

@@ -116,11 +116,15 @@ class RowArrival:
 
 
 def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2: torch.Tensor,
-                    arrival: Optional[RowArrival] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    arrival: Optional[RowArrival] = None,
+                    early_results: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' work on a built layout: ``(h, out)``, GEMM1's output ``h [T * K, 2I]`` and
     GEMM2's unweighted rows ``out [T * K, H]``, in routed-row order (rows past offsets[E] unwritten).
     With `arrival`, GEMM1 gathering x's rows works pass by pass, each pass once its rows have
-    landed (rows copied first wait for all of them)."""
+    landed (rows copied first wait for all of them). With `arrival` in S > 1 passes and
+    `early_results`, GEMM2 computes the rows of passes 1..S-1 first (other ranks' tokens) and
+    calls ``early_results(out)``, so that what it starts (a copy to another GPU) overlaps
+    GEMM2's work on pass 0."""
     num_slots, hidden, two_inter = layout.num_slots, x.shape[1], l1.shape[1]
     h = x.new_empty(num_slots, two_inter)
     gather, offsets, passes = GATHER_ROWS["forward"], layout.offsets, {}
@@ -140,7 +144,13 @@ def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2
     if waits:
         arrival.join()
     out = x.new_empty(num_slots, hidden)
-    m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
+    if early_results is not None and arrival is not None and arrival.num_passes > 1:
+        runs = dict(group_offsets=arrival.run_offsets, num_passes=arrival.num_passes)
+        m_grouped_bf16_gemm_nt_contiguous(act, l2, out, **runs, pass_range=(1, arrival.num_passes))
+        early_results(out)
+        m_grouped_bf16_gemm_nt_contiguous(act, l2, out, **runs, pass_range=(0, 1))
+    else:
+        m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
     return h, out
 
 

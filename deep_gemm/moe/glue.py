@@ -1,7 +1,7 @@
-"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh, ep_*.cuh):
+"""Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh):
 the routing layout, the routed-row copy, SwiGLU forward, SwiGLU backward with the
-routing-weight gradient, the weighted combine (into this rank or into the token owners'
-buffers), and the expert-parallel row push into other ranks' buffers. bf16 rows with fp32
+routing-weight gradient, and the weighted combine (which can also add partial sums that other
+GPUs computed for the same tokens, waiting for them to land). bf16 rows with fp32
 math and 16-byte accesses; no host sync (routed-row counts are read on the GPU);
 deterministic (the routing counts' shared-memory atomics only add integers)."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from ..jit.runtime import build_kernel, pack_params
 from ..utils import check_cuda_devices, get_num_sms
 from .layout import RoutingLayout
-from .symm import PeerRegion
 
 
 # kernel (entry <name>_impl in impls/<header>) -> (header, parameter struct, threads per CTA,
@@ -27,7 +26,6 @@ _KERNELS = {
     "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwdParams", 256, 8),
     "moe_swiglu_bwd": ("moe_swiglu_bwd.cuh", "MoESwiGLUBwdParams", 128, 16),
     "moe_gather_rows": ("moe_gather_rows.cuh", "MoEGatherRowsParams", 256, 4),
-    "ep_push_rows": ("ep_push_rows.cuh", "EpPushRowsParams", 256, 4),
 }
 # The routing kernels' warps each sort one chunk of slots; their per-warp key counters in shared
 # memory bound the experts (impls/moe_routing_layout.cuh).
@@ -50,7 +48,7 @@ def _launch(name: str, pointers: list[int], ints: list[int], device: int, num_bl
 def precompile_exchange_kernels() -> None:
     """Builds the kernels an expert-parallel layer may launch on some ranks only (a rank with no
     tokens skips them), so that no rank compiles while the others wait in a barrier."""
-    for name in ("ep_push_rows", "moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd"):
+    for name in ("moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd"):
         _kernel(name)
 
 
@@ -114,58 +112,52 @@ def moe_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_e
 
 
 def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],
-                     out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_{valid k} w[t, k] * rows[slot_row[t, k]]`` (w = 1 if `weights` is None).
+                     out: torch.Tensor, *, addend: Optional[torch.Tensor] = None,
+                     addend_ready: Optional[torch.Tensor] = None,
+                     addend_source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = sum_{valid k} w[t, k] * rows[slot_row[t, k]] (+ sum_j addend[j, t])``
+    (w = 1 if `weights` is None), summed in fp32 in slot order, then j order.
 
     rows ``[T * K, H]`` bf16 in routed-row order (rows of empty slots are never read), out
-    ``[T, H]`` bf16, weights ``[T, K]`` (summed in fp32). H must be a multiple of 8.
+    ``[T, H]`` bf16, weights ``[T, K]``. H must be a multiple of 8.
+
+    For expert parallelism, `addend` ``[J, T', H]`` bf16 (T' >= T, contiguous) holds partial
+    sums of the same tokens from J other GPUs. With `addend_ready` (int32 ``[J]`` on the GPU),
+    block j is read only once ``addend_ready[j] != 0``: its writer must need no SM of this GPU
+    (another GPU's copy engine writing the rows, then the flag, qualifies). The kernel runs,
+    and waits, even for T = 0. A wait longer than ~10 s prints ``addend_source[j]`` (int32
+    ``[J]``: the rank that should have sent block j) and traps.
     """
-    num_tokens = layout.slot_row.shape[0]
-    _check_bf16(out=out)
-    if tuple(out.shape) != (num_tokens, rows.shape[1]):
-        raise ValueError(f"out must be [{num_tokens}, {rows.shape[1]}]")
-    _combine(rows, layout, weights, [out.data_ptr(), 0, 0, 0, 0], out.device)
-    return out
-
-
-def moe_combine_to_peers_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],
-                              dst_rank: torch.Tensor, dst_row: torch.Tensor, dst_rows: PeerRegion,
-                              num_valid: torch.Tensor) -> None:
-    """`moe_combine_bf16` whose token t is written as row ``dst_row[t]`` of rank
-    ``dst_rank[t]``'s region `dst_rows` (`SymmBuffer.region`, rows of H bf16) instead of
-    ``out[t]``, for t < ``num_valid[0]`` (read on the GPU) with ``dst_row[t] >= 0``.
-    dst_rank int32 ``[T]``, dst_row int64 ``[T]``, num_valid int32 ``[1]``. Stream-ordered; the
-    caller barriers before peers read."""
-    num_tokens = layout.slot_row.shape[0]
-    for name, t, dtype, numel in (("dst_rank", dst_rank, torch.int32, num_tokens),
-                                  ("dst_row", dst_row, torch.int64, num_tokens), ("num_valid", num_valid, torch.int32, 1)):
-        if t.dtype != dtype or not t.is_contiguous() or t.numel() != numel:
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {numel} elements")
-    if dst_rows.addresses is None or any(t.dim() != 2 or t.shape[1] != rows.shape[1] or t.dtype != rows.dtype
-                                         for t in dst_rows.tensors):
-        raise ValueError(f"dst_rows must be a GPU region of [*, {rows.shape[1]}] bf16 rows on every rank")
-    check_cuda_devices(rows=rows, dst_rank=dst_rank, dst_row=dst_row, num_valid=num_valid)
-    _combine(rows, layout, weights, [0, dst_rows.addresses.data_ptr(), dst_rank.data_ptr(), dst_row.data_ptr(),
-                                     num_valid.data_ptr()], rows.device)
-
-
-def _combine(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor], out_pointers: list[int],
-             device: torch.device) -> None:
-    """Checks and launches moe_combine; `out_pointers` are its out, out_peers, out_rank, out_row, num_valid."""
-    num_tokens, num_topk = layout.slot_row.shape
-    hidden = rows.shape[1]
-    _check_bf16(rows=rows)
+    (num_tokens, num_topk), hidden = layout.slot_row.shape, rows.shape[1]
+    _check_bf16(rows=rows, out=out)
     if hidden % 8:
         raise ValueError(f"H = {hidden} must be a multiple of 8")
-    if num_tokens == 0:
-        return
+    if tuple(out.shape) != (num_tokens, hidden):
+        raise ValueError(f"out must be [{num_tokens}, {hidden}]")
     if weights is not None:
         if tuple(weights.shape) != (num_tokens, num_topk):
             raise ValueError(f"weights must be [{num_tokens}, {num_topk}], got {tuple(weights.shape)}")
         weights = weights.to(torch.float32).contiguous()
-    _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
-                            0 if weights is None else weights.data_ptr(), *out_pointers],
-            [num_tokens, hidden, num_topk], device.index)
+    addend_pointers, num_addends, addend_stride = [0, 0, 0], 0, 0
+    if addend is not None:
+        _check_bf16(addend=addend)
+        if addend.dim() != 3 or addend.shape[1] < num_tokens or addend.shape[2] != hidden:
+            raise ValueError(f"addend must be [J, >= {num_tokens}, {hidden}], got {tuple(addend.shape)}")
+        num_addends, addend_stride = addend.shape[0], addend.shape[1]
+        addend_pointers[0] = addend.data_ptr()
+    if addend_ready is not None:
+        if addend is None:
+            raise ValueError("addend_ready needs addend")
+        for name, t in (("addend_ready", addend_ready), ("addend_source", addend_source)):
+            if t is None or t.dtype != torch.int32 or t.numel() != num_addends or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int32 tensor of {num_addends} elements")
+        check_cuda_devices(out=out, addend=addend, addend_ready=addend_ready, addend_source=addend_source)
+        addend_pointers[1:] = [addend_ready.data_ptr(), addend_source.data_ptr()]
+    if num_tokens or addend_ready is not None:  # a waiting kernel runs even for T = 0
+        _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
+                                0 if weights is None else weights.data_ptr(), out.data_ptr(), *addend_pointers],
+                [num_tokens, hidden, num_topk, num_addends, addend_stride], out.device.index)
+    return out
 
 
 def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
@@ -216,49 +208,3 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
                                         act_weighted.data_ptr(), row_dw.data_ptr(), _num_rows_ptr(layout)],
                 [inter], h.device.index)
     return dz, act_weighted, row_dw
-
-
-def ep_push_rows_bf16(src: Optional[torch.Tensor], src_row: Optional[torch.Tensor], dst_rank: torch.Tensor,
-                      dst_row: torch.Tensor, dst_rows: Optional[PeerRegion], *, f32: Optional[torch.Tensor] = None,
-                      dst_f32: Optional[PeerRegion] = None, i32: Optional[torch.Tensor] = None,
-                      dst_i32: Optional[PeerRegion] = None, num_valid: Optional[torch.Tensor] = None) -> None:
-    """For each entry i < n = ``dst_row.numel()`` (and i < ``num_valid[0]`` when given, read
-    on the GPU): writes row r = ``src_row[i]`` (i if `src_row` is None) of `src` as row
-    ``dst_row[i]`` of rank ``dst_rank[i]``'s region `dst_rows`, and row r of `f32` / `i32`
-    (when given) as row ``dst_row[i]`` of `dst_f32` / `dst_i32`. Entries with
-    ``dst_row[i] < 0`` are skipped. Without `src` (and `dst_rows`) only f32 / i32 move.
-
-    src ``[*, H]`` bf16 (H % 8 == 0); f32 ``[*, C]`` float32 and i32 ``[*, C']`` int32, indexed
-    like src; src_row, dst_row int64 ``[n]``; dst_rank int32 ``[n]``; the destinations are
-    regions of every rank's symmetric buffer (`SymmBuffer.region`) with rows of H, C, C'
-    elements. Stream-ordered; the caller barriers before peers read.
-    """
-    if (src is None) != (dst_rows is None):
-        raise ValueError("src needs its destination region dst_rows")
-    if src is not None:
-        _check_bf16(src=src)
-    n, hidden = dst_row.numel(), 0 if src is None else src.shape[1]
-    if hidden % 8:
-        raise ValueError(f"H = {hidden} must be a multiple of 8")
-    for name, t, dtype in (("dst_rank", dst_rank, torch.int32), ("dst_row", dst_row, torch.int64),
-                           ("src_row", src_row, torch.int64)):
-        if t is not None and (t.dtype != dtype or t.numel() != n or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor of {n} elements")
-    for name, t, dtype in (("f32", f32, torch.float32), ("i32", i32, torch.int32)):
-        if t is not None and (t.dtype != dtype or t.dim() != 2 or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous 2-D {dtype} tensor")
-    if (f32 is None) != (dst_f32 is None) or (i32 is None) != (dst_i32 is None):
-        raise ValueError("each payload needs its destination region")
-    if num_valid is not None and (num_valid.dtype != torch.int32 or num_valid.numel() != 1):
-        raise ValueError("num_valid must be one int32 value")
-    check_cuda_devices(**{name: t for name, t in (("src", src), ("src_row", src_row), ("dst_rank", dst_rank),
-                                                 ("dst_row", dst_row), ("f32", f32), ("i32", i32),
-                                                 ("num_valid", num_valid)) if t is not None})
-    if n == 0:
-        return
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    region = lambda r: 0 if r is None else r.addresses.data_ptr()  # noqa: E731
-    cols = lambda t: 0 if t is None else t.shape[1]  # noqa: E731
-    _launch("ep_push_rows", [ptr(src), ptr(src_row), dst_rank.data_ptr(), dst_row.data_ptr(), region(dst_rows),
-                             ptr(f32), region(dst_f32), ptr(i32), region(dst_i32), ptr(num_valid)],
-            [n, hidden, cols(f32), cols(i32)], dst_row.device.index)

@@ -41,8 +41,11 @@ def _regions(world: int, max_tokens: int, num_topk: int, hidden: int) -> list:
         ("dy", (max_tokens, hidden), torch.bfloat16),  # the backward's dy, read by the others
         ("num_tokens", (world,), torch.int32),  # each rank's token count
         ("calls", (world,), torch.int64),  # which exchange each rank is in (see ep.announce_call)
-        ("back", (max_tokens * world, hidden), torch.bfloat16),  # results per (own token, expert rank)
-        ("back_dw", (max_tokens * world, num_topk), torch.float32),  # routing-weight gradients, likewise
+        # Partial results for this rank's tokens from each other rank (block s - 1: from rank
+        # rank - s), their routing-weight gradients, and the flags their senders set once landed.
+        ("back", ((world - 1) * max_tokens, hidden), torch.bfloat16),
+        ("back_dw", ((world - 1) * max_tokens, num_topk), torch.float32),
+        ("arrived", (world - 1,), torch.int32),
     ]
 
 
@@ -139,7 +142,7 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         hidden: H.
         intermediate_hidden: I (the buffer itself holds no intermediate activations).
 
-    Returns a `SymmBuffer` of about ``(world + 2) * T * H * 2`` bytes per rank (T =
+    Returns a `SymmBuffer` of about ``(world + 1) * T * H * 2`` bytes per rank (T =
     num_max_tokens_per_rank); reuse it for every layer. Every exchange copies whole regions of
     T rows from each rank, so T should be close to the tokens a rank actually passes. Also compiles the exchange kernels now, so
     that no rank compiles inside a barrier of the first layer (ranks wait at most

@@ -10,24 +10,28 @@ def _bounds(group_offsets: torch.Tensor):
     return list(zip(offsets[:-1], offsets[1:]))
 
 
-def _m_grouped(a, b, d, group_offsets, transpose_b: bool, a_row_index=None, num_passes: int = 1):
+def _m_grouped(a, b, d, group_offsets, transpose_b: bool, a_row_index=None, num_passes: int = 1, pass_range=None):
     if a_row_index is not None:
         a = a.index_select(0, a_row_index)
-    d.fill_(float("nan"))
+    if pass_range is None:  # (a launch over some passes leaves the others' rows as they are)
+        d.fill_(float("nan"))
+    begin, end_pass = (0, num_passes) if pass_range is None else pass_range
     for run, (start, end) in enumerate(_bounds(group_offsets)):  # run g * S + s uses group g's B
         g = run // num_passes
+        if not begin <= run % num_passes < end_pass:
+            continue
         w = b[g].T if transpose_b else b[g]
         d[start:end] = (a[start:end].to(torch.float64) @ w.to(torch.float64)).to(d.dtype)
 
 
-def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, **_):
+def m_grouped_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, pass_range=None, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nt_contiguous` (ready_flags: nothing to wait for)."""
-    _m_grouped(a, b, d, group_offsets, True, a_row_index, num_passes)
+    _m_grouped(a, b, d, group_offsets, True, a_row_index, num_passes, pass_range)
 
 
-def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, **_):
+def m_grouped_gemm_nn(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, pass_range=None, **_):
     """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_contiguous`."""
-    _m_grouped(a, b, d, group_offsets, False, a_row_index, num_passes)
+    _m_grouped(a, b, d, group_offsets, False, a_row_index, num_passes, pass_range)
 
 
 def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):
@@ -63,21 +67,19 @@ def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, a_row
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
 
 
-def moe_combine(rows, layout, weights, out):
-    """Emulates `deep_gemm.moe.combine.moe_combine_bf16` (in float64)."""
+def moe_combine(rows, layout, weights, out, *, addend=None, addend_ready=None, addend_source=None):
+    """Emulates `deep_gemm.moe.glue.moe_combine_bf16` (in float64; nothing to wait for)."""
+    del addend_ready, addend_source
     num_tokens, num_topk = layout.slot_row.shape
     gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
     gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(torch.float64)
     w = torch.ones(num_tokens, num_topk, dtype=torch.float64, device=rows.device) if weights is None else weights.to(torch.float64)
     w = torch.where(layout.slot_valid, w, 0.0)
-    out.copy_(torch.einsum("tk,tkh->th", w, gathered))
+    total = torch.einsum("tk,tkh->th", w, gathered)
+    if addend is not None:
+        total += addend[:, :num_tokens].to(torch.float64).sum(0)
+    out.copy_(total)
     return out
-
-
-def moe_combine_to_peers(rows, layout, weights, dst_rank, dst_row, dst_rows, num_valid):
-    """Emulates `deep_gemm.moe.glue.moe_combine_to_peers_bf16`, writing into the region's tensors."""
-    out = moe_combine(rows, layout, weights, rows.new_empty(layout.slot_row.shape[0], rows.shape[1]))
-    ep_push_rows(out, None, dst_rank, dst_row, dst_rows, num_valid=num_valid)
 
 
 def _routed(layout) -> int:
@@ -114,18 +116,3 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
         t[_routed(layout):] = float("nan")
     dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
-
-
-def ep_push_rows(src, src_row, dst_rank, dst_row, dst_rows, *, f32=None, dst_f32=None, i32=None, dst_i32=None,
-                 num_valid=None):
-    """Emulates `deep_gemm.moe.glue.ep_push_rows_bf16`, writing into the regions' tensors."""
-    n = dst_row.numel() if num_valid is None else min(dst_row.numel(), int(num_valid[0]))
-    index = torch.arange(n, device=dst_row.device)
-    world = len(next(r for r in (dst_rows, dst_f32, dst_i32) if r is not None).tensors)
-    for rank in range(world):
-        i = index[(dst_row[:n] >= 0) & (dst_rank[:n] == rank)]
-        at, source = dst_row.index_select(0, i), (i if src_row is None else src_row.index_select(0, i))
-        for values, region in ((src, dst_rows), (f32, dst_f32), (i32, dst_i32)):
-            if values is not None:
-                target = region.tensors[rank]
-                target.index_copy_(0, at, values.index_select(0, source).to(target.dtype))

@@ -1,27 +1,28 @@
-"""Our expert-parallel MoE over NVLink, version 2: the forward's token exchange overlaps GEMM1.
+"""Our expert-parallel MoE over NVLink, version 2: the token exchange overlaps the GEMMs.
 
 Forward:  stage x, top-k ids and weights in this rank's buffer -> plan (token counts; one
           barrier) -> read every rank's top-k ids, build the layout of this rank's experts over
           all ranks' tokens in pass order (own tokens first) -> the copy engines pull the other
           ranks' x on a side stream while GEMM1 (gathering rows, SwiGLU epilogue) works pass by
-          pass, its tiles of pass s waiting on that pass's arrival flag -> GEMM2 -> combine over
-          this rank's slots, written straight into the owners' buffers -> barrier -> sum over
-          ranks.
+          pass, its tiles of pass s waiting on that pass's arrival flag -> GEMM2 on the other
+          ranks' rows -> their tokens summed over this rank's experts, and the copy engines
+          write those sums into their owners' buffers while GEMM2 works on this rank's own rows
+          -> one combine sums this rank's tokens over its own experts plus what the others sent
+          (waiting for their flags on the GPU).
 Backward: stage dy -> barrier -> the copy engines pull the other ranks' dy while dA's GEMM
           (gathering rows) works pass by pass on the same arrival flags -> the rest of the
-          single-GPU backward (weight gradients on a side stream), its dx rows summed over this
-          rank's slots straight into the owners' buffers -> push routing-weight gradients back
-          -> barrier -> sum over ranks.
+          single-GPU backward (weight gradients on a side stream), dx's GEMM sending the other
+          ranks' dx sums (and routing-weight gradients) the same way as the forward's GEMM2.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
-NCCL, no host synchronisation. See deep_gemm.moe.ep for the pass order.
+NCCL, no host synchronisation, one barrier per exchange. See deep_gemm.moe.ep.
 """
 from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe.ep import announce_call, build_ep_plan, check_calls, exchange_token_counts, pull_tokens
+from deep_gemm.moe.ep import (announce_call, check_calls, exchange_token_counts, gather_partials, pull_tokens,
+                              send_partials)
 from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_expert_rows
-from deep_gemm.moe.glue import ep_push_rows_bf16, moe_combine_bf16, moe_combine_to_peers_bf16
 from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
 from deep_gemm.moe.symm import SymmBuffer
 
@@ -41,6 +42,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
             _stage(buffer.local[name], t)
         source_tokens = exchange_token_counts(buffer, num_tokens)
+        check_calls(buffer)
 
         # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
         # with their experts made local (-1: elsewhere, or no token in that row). GEMM1 is launched
@@ -60,58 +62,44 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                                runs.slot_valid)
         recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
         try:
-            h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival)
+            h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival,
+                                      early_results=lambda rows: send_partials(rows, layout, local_weights, buffer))
         finally:  # (joined already unless it raised)
             arrival.join()
-        check_calls(buffer)
-        plan = build_ep_plan(topk_idx, buffer, source_tokens)
-
-        # Each received token's weighted sum over this rank's experts goes straight to its owner.
-        back_rank, row_if_mine, num_recv = buffer.constant(("back", x.device), lambda: (
-            ((pass_ids.flatten() + me) % world).to(torch.int32).repeat_interleave(max_tokens),
-            token_ids.repeat(world) * world + me,
-            torch.full((1,), world * max_tokens, dtype=torch.int32, device=x.device)))
-        back_row = torch.where(mine.any(2).flatten(), row_if_mine, -1)
-        moe_combine_to_peers_bf16(rows, layout, local_weights, back_rank, back_row, buffer.region("back"), num_recv)
+        y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
         del rows
-        buffer.barrier()
-        y = moe_combine_bf16(buffer.local["back"][:num_tokens * world], plan.pairs, None, x.new_empty(x.shape))
         ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
         ctx.save_for_backward(l1, l2, recv_x, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
-                              layout.slot_row, layout.slot_valid, back_rank, back_row, num_recv, plan.pairs.slot_row,
-                              plan.pairs.slot_valid)
+                              layout.slot_row, layout.slot_valid)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (l1, l2, recv_x, h, run_offsets, offsets, row_token, row_weight, slot_row, slot_valid, back_rank, back_row,
-         num_recv, pair_row, pair_valid) = ctx.saved_tensors
+        l1, l2, recv_x, h, run_offsets, offsets, row_token, row_weight, slot_row, slot_valid = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
-        (num_tokens, world), num_topk = pair_row.shape, slot_row.shape[1]
+        world, max_tokens = buffer.world, buffer.max_tokens
+        num_tokens, num_topk = dy.shape[0], slot_row.shape[1]
         dy = dy.contiguous()
-        _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's last barrier
+        _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
         announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
         buffer.barrier()
+        check_calls(buffer)
         recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
 
-        handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), recv_x, h)
-        def to_owners(rows: torch.Tensor, layout: RoutingLayout, _dtopk: torch.Tensor) -> None:  # dx rows, summed
-            moe_combine_to_peers_bf16(rows, layout, None, back_rank, back_row, buffer.region("back"), num_recv)
-
+        layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
+        handle = MegaMoEHandle(layout, recv_x, h)
         try:
-            _, d_recv_weights, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype,
-                                                            combine_dx=to_owners, dy_arrival=arrival)
+            dx, d_recv_weights, dl1, dl2 = mega_moe_backward(
+                recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype, dy_arrival=arrival,
+                send_dx_early=lambda rows, dw: send_partials(rows, layout, None, buffer, dw=dw),
+                combine_dx=lambda rows, lay, _dw: gather_partials(rows, lay, None, buffer, dy.new_empty(dy.shape)))
         finally:  # (joined already unless it raised)
             arrival.join()
-        check_calls(buffer)
-        ep_push_rows_bf16(None, None, back_rank, back_row, None, f32=d_recv_weights, dst_f32=buffer.region("back_dw"),
-                          num_valid=num_recv)
-        buffer.barrier()
-        pairs = RoutingLayout(offsets, pair_row.flatten(), row_weight.new_empty(0), pair_row, pair_valid)
-        dx = moe_combine_bf16(buffer.local["back"][:num_tokens * world], pairs, None, dy.new_empty(dy.shape))
-        # Each slot's gradient comes from the rank holding its expert; the others sent zeros.
-        partial_dw = buffer.local["back_dw"][:num_tokens * world].view(num_tokens, world, num_topk)
-        dtopk_weights = torch.where(pair_valid.unsqueeze(2), partial_dw, 0.0).sum(1)
+        # Each slot's gradient comes from the rank holding its expert; the others' are zeros.
+        dtopk_weights = d_recv_weights[:num_tokens]
+        if world > 1:
+            from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
+            dtopk_weights = dtopk_weights + from_others.sum(0)
         return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
 
 

@@ -13,7 +13,9 @@
 // With num_passes S > 1, group_offsets splits each group's rows into S runs (see
 // scheduler::MGroupedScheduler), tiles go pass by pass, and the producer waits for
 // ready_flags[s] before reading A for a tile of pass s > 0: the MoE's expert-parallel forward
-// starts on its own tokens while other ranks' tokens are still being copied in.
+// starts on its own tokens while other ranks' tokens are still being copied in. A launch runs
+// only the passes in [pass_begin, pass_end): the expert-parallel GEMM2 finishes other ranks'
+// rows first, so that their results leave while it works on this rank's own.
 //   B K-major  ("nt"): B is [G, N, K]  -> D = A @ B[g].T   (forward)
 //   B MN-major ("nn"): B is [G, K, N]  -> D = A @ B[g]     (data gradient)
 // Persistent and warp-specialised: one TMA producer thread (a warpgroup with kGatherA), two
@@ -40,7 +42,7 @@ struct MGroupedGemmParams {
     const float* row_weight;     // [M] with kSwiGLUBwd
     float* row_dw_part;          // [M, ceil(N / BLOCK_N)] with kSwiGLUBwd
     const int* ready_flags;      // [num_passes] or null: A's rows of pass s > 0 are read once ready_flags[s] != 0
-    uint32_t m, n, k, num_groups, a_rows, num_passes;
+    uint32_t m, n, k, num_groups, a_rows, num_passes, pass_begin, pass_end;
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
@@ -64,7 +66,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
 
     start_gemm<kGatherA>(smem, &p.tensor_map_a, &p.tensor_map_b);
 
-    Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.m, p.n);
+    Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.pass_begin, p.pass_end, p.m, p.n);
     typename Scheduler::Tile tile;
     PipelineState pipe;
 

@@ -20,7 +20,8 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
 // With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
 // entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
 // ordered by pass first (all groups' runs of pass 0, then of pass 1, ...), so rows that arrive
-// late (an expert-parallel exchange fills pass s > 0) are reached last.
+// late (an expert-parallel exchange fills pass s > 0) are reached last. Only the passes in
+// [pass_begin, pass_end) are walked: a GEMM may run its passes in several launches.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N>
 struct MGroupedScheduler {
     struct Tile {
@@ -28,19 +29,20 @@ struct MGroupedScheduler {
     };
 
     const int* offsets;
-    uint32_t num_groups, num_passes, num_n_blocks, num_rows_total;
-    uint32_t next_tile, run = 0, run_tile_begin = 0;  // run = pass * num_groups + group
+    uint32_t num_groups, num_passes, num_n_blocks, num_rows_total, run_end;
+    uint32_t next_tile, run, run_tile_begin = 0;  // run = pass * num_groups + group
     uint32_t run_row_begin = 0, run_row_end = 0, run_num_tiles = 0;
 
     __device__ __forceinline__ MGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t num_passes,
-                                                 uint32_t m, uint32_t n)
+                                                 uint32_t pass_begin, uint32_t pass_end, uint32_t m, uint32_t n)
         : offsets(offsets), num_groups(num_groups), num_passes(num_passes), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
-          num_rows_total(m), next_tile(blockIdx.x) {
+          num_rows_total(m), run_end(min(pass_end, num_passes) * num_groups), next_tile(blockIdx.x),
+          run(pass_begin * num_groups) {
         load_run();
     }
 
     __device__ __forceinline__ void load_run() {
-        if (run >= num_groups * num_passes)
+        if (run >= run_end)
             return;
         const uint32_t slot = (run % num_groups) * num_passes + run / num_groups;
         run_row_begin = clamped_offset(offsets, slot, 0, num_rows_total);
@@ -51,12 +53,12 @@ struct MGroupedScheduler {
     __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
         next_tile += gridDim.x;
-        while (run < num_groups * num_passes and idx >= run_tile_begin + run_num_tiles) {
+        while (run < run_end and idx >= run_tile_begin + run_num_tiles) {
             run_tile_begin += run_num_tiles;
             ++run;
             load_run();
         }
-        if (run >= num_groups * num_passes)
+        if (run >= run_end)
             return false;
         const uint32_t local = idx - run_tile_begin;
         tile.group = run % num_groups;
