@@ -30,6 +30,7 @@ share of communication left unhidden).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -169,9 +170,13 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
     parser.add_argument("--profile", action="store_true", help="also print ours' GPU time per kernel (one fwd+bwd)")
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
+    parser.add_argument("--impls", default=None,
+                        help="with --num-processes: implementations to time, separated by ';' (names hold commas; "
+                             "default: all; 'ours compute only' is always timed, the ratios' reference)")
     args = parser.parse_args()
     if args.num_processes > 1:
-        launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, backend="nccl")
+        launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, args.impls,
+               backend="nccl")
         return
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe,
@@ -231,9 +236,11 @@ def time_without_overlap(fn, inputs, dy):
         ep_module.OVERLAP_PULL = True
 
 
-def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, profile_nvlink: bool = False) -> None:
+def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, profile_nvlink: bool = False,
+              impls: str | None = None) -> None:
     """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers
-    (and, with `profile_nvlink`, its kernel profile of the NVLink path)."""
+    (and, with `profile_nvlink`, its kernel profile of the NVLink path). `impls`: a
+    ';'-separated subset of the implementations (default: all)."""
     from megamoe_bwd.baseline import expert_mlps
 
     def slowest(ms: float) -> float:
@@ -264,27 +271,30 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                 del local_work["l1"], local_work["l2"]  # the rank's own experts are used
                 per_expert = tokens * topk // l1.shape[0]
                 offs = torch.arange(1, l1.shape[0] + 1, device="cuda", dtype=torch.int32) * per_expert
-                timings = {
-                    "torchtitan a2a": time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
-                    "ours, nvlink": time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
-                    "nvlink no overlap": time_without_overlap(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs,
-                                                              p["dy"]),
-                    "ours, a2a": time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
-                    **({"ours, deep_ep": time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer), inputs,
-                                                      p["dy"])} if deep_ep_buffer is not None else {}),
-                    "torch compute only": time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b), [rows, l1, l2],
-                                                 torch.randn_like(rows)),
+                runs = {
+                    "torchtitan a2a": lambda: time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
+                    "ours, nvlink": lambda: time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
+                    "nvlink no overlap": lambda: time_without_overlap(lambda *a: ep_mega_moe_nvlink(*a, buffer),
+                                                                      inputs, p["dy"]),
+                    "ours, a2a": lambda: time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
+                    **({"ours, deep_ep": lambda: time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer),
+                                                              inputs, p["dy"])} if deep_ep_buffer is not None else {}),
+                    "torch compute only": lambda: time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b),
+                                                               [rows, l1, l2], torch.randn_like(rows)),
                     # our single-GPU layer on the same per-rank work: T tokens, K slots over the local experts
-                    "ours compute only": time_fwd_bwd(mega_moe, [local_work[k] for k in ("x", "topk_idx", "topk_weights")]
-                                                      + [l1, l2], local_work["dy"]),
+                    "ours compute only": lambda: time_fwd_bwd(
+                        mega_moe, [local_work[k] for k in ("x", "topk_idx", "topk_weights")] + [l1, l2],
+                        local_work["dy"]),
                 }
+                wanted = set(runs) if impls is None else set(impls.split(";")) | {"ours compute only"}
+                timings = {name: run() for name, run in runs.items() if name in wanted}
                 slow = {name: (slowest(fwd), slowest(bwd)) for name, (fwd, bwd, _) in timings.items()}
                 totals = {name: fwd + bwd for name, (fwd, bwd) in slow.items()}
                 for name, (fwd, bwd) in slow.items():
                     total = fwd + bwd
                     if rank == 0:
                         print(f"{model:<5} {routing:<7} {tokens:>6} {name:<18} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
-                              f"{flops / total / 1e9:>10.0f} {totals['torchtitan a2a'] / total:>6.2f}x "
+                              f"{flops / total / 1e9:>10.0f} {totals.get('torchtitan a2a', math.nan) / total:>6.2f}x "
                               f"{total / totals['ours compute only']:>13.2f}x", flush=True)
                 if profile_nvlink:
                     profile(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"],

@@ -262,7 +262,8 @@ def test_combine_waits_for_its_addends_to_land(num_tokens):
     """Addend block j is read only once its flag is set: here the blocks are NaN until another
     stream copies them in from pinned host memory (a copy engine, as another GPU's would be)
     after a sleep and sets the flags, the later block first. With T = 0 the kernel still waits
-    (its caller resets the flags after it)."""
+    (its caller resets the flags after it). The sleeps are queued first: the waiting combine
+    fills every SM, so a kernel queued after it could not start before the flags are set."""
     from deep_gemm.jit.runtime import stream_write_u32
     from deep_gemm.moe.glue import moe_combine_bf16
     T, H, J = num_tokens, 256, 2
@@ -277,10 +278,11 @@ def test_combine_waits_for_its_addends_to_land(num_tokens):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
         for j in (1, 0):
-            torch.cuda._sleep(20_000_000)
             addend[j].copy_(landing[j], non_blocking=True)
             stream_write_u32(flags[j:].data_ptr(), 1, rows.device.index)
+    torch.cuda._sleep(1_000_000)  # the side stream's sleep has started before the combine
     out = moe_combine_bf16(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
                            addend=addend, addend_ready=flags, addend_source=sources)
     done = torch.cuda.Event()
