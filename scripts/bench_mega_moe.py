@@ -287,6 +287,8 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                         local_work["dy"]),
                 }
                 wanted = set(runs) if impls is None else set(impls.split(";")) | {"ours compute only"}
+                if wanted - set(runs):
+                    raise ValueError(f"unknown implementations {sorted(wanted - set(runs))}; known: {sorted(runs)}")
                 timings = {name: run() for name, run in runs.items() if name in wanted}
                 slow = {name: (slowest(fwd), slowest(bwd)) for name, (fwd, bwd, _) in timings.items()}
                 totals = {name: fwd + bwd for name, (fwd, bwd) in slow.items()}

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
-from deep_gemm.moe.glue import moe_combine_bf16  # noqa: E402
+from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16  # noqa: E402
 from deep_gemm.moe.layout import build_routing_layout  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
@@ -47,11 +47,12 @@ for fused_gather in (False, True):
     moe_forward_module.GATHER_ROWS = {"forward": fused_gather, "backward": fused_gather}
     y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
     mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
-# The combine adding other GPUs' partial sums once their flags are set (set already here).
+# The end of an exchange: the wait for other GPUs' flags (set already here), then the combine
+# adding their partial sums.
+ep_wait_flags(flags, flags.clone(), 1000)
 layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
 moe_combine_bf16(torch.randn(400, 256, device="cuda", dtype=torch.bfloat16), layout, p["topk_weights"],
                  torch.empty(100, 256, device="cuda", dtype=torch.bfloat16),
-                 addend=torch.randn(2, 120, 256, device="cuda", dtype=torch.bfloat16), addend_ready=flags,
-                 addend_source=flags)
+                 addend=torch.randn(2, 120, 256, device="cuda", dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("sanitize case done")

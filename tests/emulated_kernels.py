@@ -19,6 +19,7 @@ REPLACEMENTS = [
     (moe_backward_module, "m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous", emulate.m_grouped_gemm_nn_swiglu_bwd),
     (moe_backward_module, "k_grouped_bf16_gemm_tn_contiguous", emulate.k_grouped_gemm_tn),
     (ep_module, "moe_combine_bf16", emulate.moe_combine),
+    (ep_module, "ep_wait_flags", emulate.ep_wait_flags),
 ]
 
 

@@ -87,6 +87,7 @@ def test_emulations_take_the_kernels_arguments():
     import deep_gemm.moe.glue as glue
     pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
              (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
+             (glue.ep_wait_flags, emulate.ep_wait_flags),
              (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
              (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
              (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
@@ -257,59 +258,51 @@ def test_combine_adds_partial_sums_of_other_gpus():
 
 
 @requires_sm90
-@pytest.mark.parametrize("num_tokens", [300, 0])
-def test_combine_waits_for_its_addends_to_land(num_tokens):
-    """Addend block j is read only once its flag is set: here the blocks are NaN until another
-    stream copies them in from pinned host memory (a copy engine, as another GPU's would be)
-    after a sleep and sets the flags, the later block first. With T = 0 the kernel still waits
-    (its caller resets the flags after it). The sleeps are queued first: the waiting combine
-    fills every SM, so a kernel queued after it could not start before the flags are set."""
+def test_wait_flags_orders_what_follows_after_the_landed_rows():
+    """ep_wait_flags returns (on the stream) once every flag is set, then resets them: here the
+    rows are NaN until another stream copies them in from pinned host memory (a copy engine,
+    as another GPU's would be) after a sleep and sets the flags, the later block first. One
+    thread waits: a kernel queued on another stream after it (the sleep) still runs."""
     from deep_gemm.jit.runtime import stream_write_u32
-    from deep_gemm.moe.glue import moe_combine_bf16
-    T, H, J = num_tokens, 256, 2
+    from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16
+    T, H, J = 300, 256, 2
     layout = build_routing_layout(make_moe_inputs(T, 64, 64, 16, 4, device="cuda")["topk_idx"],
                                   torch.rand(T, 4, device="cuda"), 16)
     rows = torch.randn(4 * T, H, device="cuda", dtype=torch.bfloat16)
-    real = torch.randn(J, max(T, 4), H, device="cuda", dtype=torch.bfloat16)
+    real = torch.randn(J, T, H, device="cuda", dtype=torch.bfloat16)
     landing = real.cpu().pin_memory()
     addend = torch.full_like(real, float("nan"))
     flags = torch.zeros(J, dtype=torch.int32, device="cuda")
     sources = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    side.wait_stream(torch.cuda.current_stream())  # (not after the wait below: it would never end)
+    ep_wait_flags(flags, sources, 60_000)
+    out = moe_combine_bf16(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.bfloat16), addend=addend)
     with torch.cuda.stream(side):
-        torch.cuda._sleep(20_000_000)
         for j in (1, 0):
+            torch.cuda._sleep(20_000_000)
             addend[j].copy_(landing[j], non_blocking=True)
             stream_write_u32(flags[j:].data_ptr(), 1, rows.device.index)
-    torch.cuda._sleep(1_000_000)  # the side stream's sleep has started before the combine
-    out = moe_combine_bf16(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
-                           addend=addend, addend_ready=flags, addend_source=sources)
-    done = torch.cuda.Event()
-    done.record()
     torch.cuda.current_stream().wait_stream(side)
     expected = emulate.moe_combine(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.float64),
                                    addend=real)
-    assert not torch.isnan(out).any(), "an addend was read before its flag was set"
-    if T:
-        assert relative_error(out, expected) < 4e-3
-    done.synchronize()
-    assert flags.tolist() == [1, 1]
+    assert not torch.isnan(out).any(), "a row was read before its flag was set"
+    assert relative_error(out, expected) < 4e-3
+    assert flags.tolist() == [0, 0], "the flags are reset for the next exchange"
 
 
 @requires_sm90
-def test_combine_rejects_bad_addends():
-    from deep_gemm.moe.glue import moe_combine_bf16
+def test_combine_and_wait_reject_bad_input():
+    from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16
     layout = build_routing_layout(torch.tensor([[0, 1]], device="cuda"), torch.ones(1, 2, device="cuda"), 2)
     rows, out = (torch.zeros(n, 8, device="cuda", dtype=torch.bfloat16) for n in (2, 1))
-    addend = torch.zeros(2, 1, 8, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addend must be"):
-        moe_combine_bf16(rows, layout, None, out, addend=addend[0])
-    with pytest.raises(ValueError, match="addend_ready needs addend"):
-        moe_combine_bf16(rows, layout, None, out, addend_ready=torch.zeros(2, device="cuda", dtype=torch.int32))
-    with pytest.raises(ValueError, match="addend_source must be"):
-        moe_combine_bf16(rows, layout, None, out, addend=addend,
-                         addend_ready=torch.zeros(2, device="cuda", dtype=torch.int32))
+        moe_combine_bf16(rows, layout, None, out, addend=torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16))
+    flags = torch.zeros(2, device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="sources must be"):
+        ep_wait_flags(flags, flags[:1], 1000)
+    with pytest.raises(ValueError, match="timeout_ms"):
+        ep_wait_flags(flags, flags, 0)
 
 
 def _routed_layout(T=600, K=6, E=16, empty=0.2):

@@ -255,6 +255,22 @@ def test_nvlink_path_rejects_what_its_buffer_cannot_hold():
         ep_mega_moe_nvlink(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer())
 
 
+def test_a_buffer_whose_exchange_stopped_midway_is_not_reused(monkeypatch):
+    """Other ranks may have sent into it or wait for this one: a second call fails clearly."""
+    import megamoe_bwd.ep.nvlink as nvlink_module
+
+    def fail(*args, **kwargs):
+        raise MemoryError("stand-in for an error between this rank's barrier and its sends")
+
+    monkeypatch.setattr(nvlink_module, "moe_expert_rows", fail)
+    p = make_moe_inputs(4, H, I, E_LOCAL, K, dtype=torch.bfloat16)
+    args = (p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer())
+    with pytest.raises(MemoryError):
+        ep_mega_moe_nvlink(*args)
+    with pytest.raises(RuntimeError, match="stopped midway .*MemoryError"):
+        ep_mega_moe_nvlink(*args)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-processes", type=int, default=2)

@@ -12,9 +12,10 @@ with K = 8 of 128 experts, 0.3% of them; more at larger EP).
 Results go back the same way round: the last GEMM computes passes 1..S-1 first; each other
 rank's tokens are summed over this rank's experts into a local buffer (`send_partials`), and
 the copy engines write those sums into the owner's buffer while the GEMM works on pass 0. The
-owner adds them to its own sums in one combine (`gather_partials`) that waits on the GPU for
-the flags the senders set after their rows. That wait also ends the exchange: a rank's last
-read of the others' buffers (its pulls) comes before its sends, so once a rank has everyone's
+owner waits on the GPU for the flags the senders set after their rows, then adds their sums to
+its own in one combine (`gather_partials`). That wait also ends the exchange: a rank's reads of
+the others' buffers (their top-k ids and weights, and the pulls) and of the counts and call
+numbers the others wrote into its own all come before its sends, so once a rank has everyone's
 partial sums, nobody reads its buffer any more and its next exchange may start.
 """
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 
 from ..jit.runtime import stream_write_u32
 from .forward import RowArrival
-from .glue import moe_combine_bf16
+from .glue import ep_wait_flags, moe_combine_bf16
 from .layout import RoutingLayout
-from .symm import SymmBuffer
+from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
 
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
@@ -141,7 +142,9 @@ def send_partials(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[t
             back[peer][block].copy_(partial[block])  # to another GPU's memory: a copy engine
             if dw is not None:
                 back_dw[peer][block].copy_(dw[s * max_tokens:(s + 1) * max_tokens])
-            if stream is not None:  # after the rows: a stream memory operation with a system-wide fence
+            if stream is None:
+                arrived[peer][s - 1] = 1
+            else:  # after the rows: a stream memory operation with a system-wide fence
                 stream_write_u32(arrived[peer][s - 1:].data_ptr(), 1, rows.device.index)
 
     if stream is None:  # CPU buffers: synchronous copies (`gather_partials` has a barrier)
@@ -159,23 +162,22 @@ def gather_partials(rows: torch.Tensor, layout: RoutingLayout, weights: Optional
                     out: torch.Tensor) -> torch.Tensor:
     """Ends an exchange: ``out [T, H]`` = this rank's T tokens summed over their slots here
     (`rows`, `layout` and `weights` as in `send_partials`; pass 0 = tokens ``[0, T)``) plus the
-    partial sums every other rank sent (`send_partials`), which the combine waits for on the GPU
-    (~10 s at most: then it reports the rank it waited on and traps). Afterwards this rank's
-    "back_dw" holds the others' routing-weight gradients (block s - 1 from rank rank - s) until
-    its next exchange; the flags are reset and the current stream has joined the copy stream."""
+    partial sums every other rank sent (`send_partials`), once their flags are set (waited for
+    on the GPU by one thread; after DG_EP_BARRIER_TIMEOUT_MS it fails naming the rank that sent
+    nothing). Afterwards this rank's "back_dw" holds the others' routing-weight gradients
+    (block s - 1 from rank rank - s) until its next exchange; the flags are reset and the
+    current stream has joined the copy stream."""
     world, me, max_tokens, num_tokens = buffer.world, buffer.rank, buffer.max_tokens, out.shape[0]
     own = _token_slots(layout, 0, num_tokens)
     own_weights = None if weights is None else weights[:num_tokens]
     if world == 1:
         return moe_combine_bf16(rows, own, own_weights, out)
-    back = buffer.local["back"].view(world - 1, max_tokens, -1)
-    if buffer.copy_stream is None:  # CPU buffers: the others' copies are done once they reach this barrier
+    if buffer.copy_stream is None:  # CPU buffers: the others' writes are done once they reach this barrier
         buffer.barrier()
-        return moe_combine_bf16(rows, own, own_weights, out, addend=back)
-    arrived = buffer.local["arrived"]
     sources = buffer.constant(("sources", out.device), lambda: (
         (me - 1 - torch.arange(world - 1, device=out.device)) % world).to(torch.int32))
-    moe_combine_bf16(rows, own, own_weights, out, addend=back, addend_ready=arrived, addend_source=sources)
-    arrived.zero_()  # after the combine that waited on them; the next sends come after the next barrier
-    torch.cuda.current_stream(out.device).wait_stream(buffer.copy_stream)
+    ep_wait_flags(buffer.local["arrived"], sources, BARRIER_TIMEOUT_MS)
+    moe_combine_bf16(rows, own, own_weights, out, addend=buffer.local["back"].view(world - 1, max_tokens, -1))
+    if buffer.copy_stream is not None:
+        torch.cuda.current_stream(out.device).wait_stream(buffer.copy_stream)
     return out

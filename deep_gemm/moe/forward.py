@@ -117,7 +117,8 @@ class RowArrival:
 
 def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2: torch.Tensor,
                     arrival: Optional[RowArrival] = None,
-                    early_results: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    early_results: Optional[Callable[[torch.Tensor], None]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' work on a built layout: ``(h, out)``, GEMM1's output ``h [T * K, 2I]`` and
     GEMM2's unweighted rows ``out [T * K, H]``, in routed-row order (rows past offsets[E] unwritten).
     With `arrival`, GEMM1 gathering x's rows works pass by pass, each pass once its rows have

@@ -1,7 +1,7 @@
 """Launchers of the memory-bound MoE kernels around the GEMMs (impls/moe_*.cuh):
 the routing layout, the routed-row copy, SwiGLU forward, SwiGLU backward with the
-routing-weight gradient, and the weighted combine (which can also add partial sums that other
-GPUs computed for the same tokens, waiting for them to land). bf16 rows with fp32
+routing-weight gradient, the weighted combine (which can also add partial sums that other
+GPUs computed for the same tokens), and the wait for those to land. bf16 rows with fp32
 math and 16-byte accesses; no host sync (routed-row counts are read on the GPU);
 deterministic (the routing counts' shared-memory atomics only add integers)."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ _KERNELS = {
     "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwdParams", 256, 8),
     "moe_swiglu_bwd": ("moe_swiglu_bwd.cuh", "MoESwiGLUBwdParams", 128, 16),
     "moe_gather_rows": ("moe_gather_rows.cuh", "MoEGatherRowsParams", 256, 4),
+    "ep_wait_flags": ("ep_wait_flags.cuh", "EpWaitFlagsParams", 32, None),
 }
 # The routing kernels' warps each sort one chunk of slots; their per-warp key counters in shared
 # memory bound the experts (impls/moe_routing_layout.cuh).
@@ -46,9 +47,10 @@ def _launch(name: str, pointers: list[int], ints: list[int], device: int, num_bl
 
 
 def precompile_exchange_kernels() -> None:
-    """Builds the kernels an expert-parallel layer may launch on some ranks only (a rank with no
-    tokens skips them), so that no rank compiles while the others wait in a barrier."""
-    for name in ("moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd"):
+    """Builds the small kernels of an expert-parallel layer before its first exchange, so that
+    ranks do not compile them while the others wait (some run on some ranks only: a rank with
+    no tokens skips the SwiGLU passes)."""
+    for name in ("moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd", "ep_wait_flags"):
         _kernel(name)
 
 
@@ -112,21 +114,14 @@ def moe_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_e
 
 
 def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optional[torch.Tensor],
-                     out: torch.Tensor, *, addend: Optional[torch.Tensor] = None,
-                     addend_ready: Optional[torch.Tensor] = None,
-                     addend_source: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: torch.Tensor, *, addend: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_{valid k} w[t, k] * rows[slot_row[t, k]] (+ sum_j addend[j, t])``
     (w = 1 if `weights` is None), summed in fp32 in slot order, then j order.
 
     rows ``[T * K, H]`` bf16 in routed-row order (rows of empty slots are never read), out
-    ``[T, H]`` bf16, weights ``[T, K]``. H must be a multiple of 8.
-
-    For expert parallelism, `addend` ``[J, T', H]`` bf16 (T' >= T, contiguous) holds partial
-    sums of the same tokens from J other GPUs. With `addend_ready` (int32 ``[J]`` on the GPU),
-    block j is read only once ``addend_ready[j] != 0``: its writer must need no SM of this GPU
-    (another GPU's copy engine writing the rows, then the flag, qualifies). The kernel runs,
-    and waits, even for T = 0. A wait longer than ~10 s prints ``addend_source[j]`` (int32
-    ``[J]``: the rank that should have sent block j) and traps.
+    ``[T, H]`` bf16, weights ``[T, K]``. H must be a multiple of 8. `addend` ``[J, T', H]``
+    bf16 (T' >= T, contiguous): partial sums of the same tokens from J other GPUs (expert
+    parallelism; wait for them with `ep_wait_flags` first).
     """
     (num_tokens, num_topk), hidden = layout.slot_row.shape, rows.shape[1]
     _check_bf16(rows=rows, out=out)
@@ -138,26 +133,34 @@ def moe_combine_bf16(rows: torch.Tensor, layout: RoutingLayout, weights: Optiona
         if tuple(weights.shape) != (num_tokens, num_topk):
             raise ValueError(f"weights must be [{num_tokens}, {num_topk}], got {tuple(weights.shape)}")
         weights = weights.to(torch.float32).contiguous()
-    addend_pointers, num_addends, addend_stride = [0, 0, 0], 0, 0
+    num_addends, addend_stride = 0, 0
     if addend is not None:
         _check_bf16(addend=addend)
         if addend.dim() != 3 or addend.shape[1] < num_tokens or addend.shape[2] != hidden:
             raise ValueError(f"addend must be [J, >= {num_tokens}, {hidden}], got {tuple(addend.shape)}")
         num_addends, addend_stride = addend.shape[0], addend.shape[1]
-        addend_pointers[0] = addend.data_ptr()
-    if addend_ready is not None:
-        if addend is None:
-            raise ValueError("addend_ready needs addend")
-        for name, t in (("addend_ready", addend_ready), ("addend_source", addend_source)):
-            if t is None or t.dtype != torch.int32 or t.numel() != num_addends or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous int32 tensor of {num_addends} elements")
-        check_cuda_devices(out=out, addend=addend, addend_ready=addend_ready, addend_source=addend_source)
-        addend_pointers[1:] = [addend_ready.data_ptr(), addend_source.data_ptr()]
-    if num_tokens or addend_ready is not None:  # a waiting kernel runs even for T = 0
+    if num_tokens:
         _launch("moe_combine", [rows.data_ptr(), layout.slot_row.data_ptr(), layout.slot_valid.data_ptr(),
-                                0 if weights is None else weights.data_ptr(), out.data_ptr(), *addend_pointers],
+                                0 if weights is None else weights.data_ptr(), out.data_ptr(),
+                                0 if addend is None else addend.data_ptr()],
                 [num_tokens, hidden, num_topk, num_addends, addend_stride], out.device.index)
     return out
+
+
+def ep_wait_flags(flags: torch.Tensor, sources: torch.Tensor, timeout_ms: int) -> None:
+    """Stream-ordered: waits on the GPU until every int32 ``flags[j]`` is non-zero, then zeroes
+    them; what the current stream runs next sees the data each flag guards. One thread waits
+    (every other SM stays free). The flags' writers must need no SM of this GPU (another GPU's
+    copy engine and stream memory operation qualify). After `timeout_ms` the kernel fails with
+    a message naming ``sources[j]`` (int32, the rank that should have set flag j)."""
+    for name, t in (("flags", flags), ("sources", sources)):
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.numel() != flags.numel():
+            raise ValueError(f"{name} must be a contiguous int32 vector of {flags.numel()} elements")
+    if not 0 < timeout_ms < 2**32:
+        raise ValueError(f"timeout_ms must be in (0, 2**32), got {timeout_ms}")
+    device = check_cuda_devices(flags=flags, sources=sources)
+    if flags.numel():
+        _launch("ep_wait_flags", [flags.data_ptr(), sources.data_ptr()], [flags.numel(), timeout_ms], device.index, 1)
 
 
 def moe_gather_rows_bf16(src: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """The symmetric buffer of the built-in expert-parallel path: one allocation of the same size
 on every rank of a process group, each rank's copy addressable by the others (PyTorch
-symmetric memory over NVLink), which the exchange kernels write into directly.
+symmetric memory over NVLink), which the copy engines read from and write into directly.
 
 One buffer serves every MoE layer of a model (layers use it one after another); it is
 sized for the largest layer and the most tokens a rank will hold.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -24,11 +25,9 @@ _ALIGN = 256
 @dataclass(frozen=True)
 class PeerRegion:
     """One region of every rank's buffer: `tensors[r]` is rank r's copy as mapped in this
-    process; `addresses` holds their addresses as int64 ``[world]`` on the GPU (for kernels;
-    None for the CPU buffers of the tests)."""
+    process (peer memory: copies into and out of it run on the copy engines)."""
 
     tensors: tuple
-    addresses: Optional[torch.Tensor]
 
 
 def _regions(world: int, max_tokens: int, num_topk: int, hidden: int) -> list:
@@ -68,7 +67,7 @@ def _carve(storage: torch.Tensor, regions: list, offsets: dict) -> dict:
 class SymmBuffer:
     """The buffer of `get_symm_buffer_for_mega_moe`. `local` holds this rank's regions by
     name (the caller may fill ``local["x"]``, ``local["topk_idx"]`` and ``local["topk_weights"]``);
-    `region(name)` gives the region across ranks for the exchange kernels; `barrier()` is a
+    `region(name)` gives the region across ranks for the exchange's copies; `barrier()` is a
     stream-ordered barrier of the group."""
 
     def __init__(self, storages: list, rank: int, group: Optional[dist.ProcessGroup], num_experts: int,
@@ -85,10 +84,10 @@ class SymmBuffer:
         self.local = self._peers[rank]
         self._barrier = barrier
         self.num_calls = 0  # exchanges this rank has started (ep.announce_call)
+        self.failure: Optional[str] = None  # why an exchange stopped midway (see `exchange`)
         self._constants: dict = {}
-        # Peer addresses for the kernels, built now: later, a host-to-device copy would block
-        # the host and could not be captured in a CUDA graph.
-        self._regions_by_name = {name: self._make_region(name) for name, _, _ in self._regions}
+        self._regions_by_name = {name: PeerRegion(tuple(peer[name] for peer in self._peers))
+                                 for name, _, _ in self._regions}
         # This rank's own (not shared) arrival flags and copy stream (ep.pull_tokens); none on the CPU.
         device = self.local["x"].device
         self.ready_flags = torch.zeros(world, dtype=torch.int32, device=device) if device.type == "cuda" else None
@@ -97,13 +96,6 @@ class SymmBuffer:
     @staticmethod
     def nbytes(world: int, max_tokens: int, num_topk: int, hidden: int) -> int:
         return _layout(_regions(world, max_tokens, num_topk, hidden))[1]
-
-    def _make_region(self, name: str) -> PeerRegion:
-        tensors = tuple(peer[name] for peer in self._peers)
-        addresses = None
-        if tensors[0].is_cuda:
-            addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
-        return PeerRegion(tensors, addresses)
 
     def constant(self, key: tuple, make: Callable[[], object]):
         """``make()``, computed once per key and kept (index tensors that depend only on the
@@ -115,6 +107,21 @@ class SymmBuffer:
         if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self._constants[key] = value
         return value
+
+    @contextlib.contextmanager
+    def exchange(self):
+        """Wraps one exchange (a layer's forward or backward on this buffer): raises if an
+        earlier one stopped midway, and remembers it if this one does. Its flags and regions
+        are then in an unknown state (other ranks may have sent into it, or wait for this one),
+        so the buffer must not be used again: make a new one after recovering the group."""
+        if self.failure is not None:
+            raise RuntimeError(f"an earlier exchange on this buffer stopped midway ({self.failure}); "
+                               "make a new buffer")
+        try:
+            yield
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            raise
 
     def region(self, name: str) -> PeerRegion:
         return self._regions_by_name[name]
@@ -144,9 +151,10 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
 
     Returns a `SymmBuffer` of about ``(world + 1) * T * H * 2`` bytes per rank (T =
     num_max_tokens_per_rank); reuse it for every layer. Every exchange copies whole regions of
-    T rows from each rank, so T should be close to the tokens a rank actually passes. Also compiles the exchange kernels now, so
-    that no rank compiles inside a barrier of the first layer (ranks wait at most
-    DG_EP_BARRIER_TIMEOUT_MS, default 10 min, for each other). NVLink multicast stays off
+    T rows from each rank, so T should be close to the tokens a rank actually passes. Also
+    compiles the exchange's small kernels now, so that fewer compile while the others wait
+    (ranks wait at most DG_EP_BARRIER_TIMEOUT_MS, default 10 min, for each other, in barriers
+    and for each other's results; the GEMMs compile on first use). NVLink multicast stays off
     (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
     del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged

@@ -67,9 +67,8 @@ def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, a_row
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
 
 
-def moe_combine(rows, layout, weights, out, *, addend=None, addend_ready=None, addend_source=None):
-    """Emulates `deep_gemm.moe.glue.moe_combine_bf16` (in float64; nothing to wait for)."""
-    del addend_ready, addend_source
+def moe_combine(rows, layout, weights, out, *, addend=None):
+    """Emulates `deep_gemm.moe.glue.moe_combine_bf16` (in float64)."""
     num_tokens, num_topk = layout.slot_row.shape
     gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
     gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(torch.float64)
@@ -116,3 +115,13 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
         t[_routed(layout):] = float("nan")
     dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
+
+
+def ep_wait_flags(flags, sources, timeout_ms):
+    """Emulates `deep_gemm.moe.glue.ep_wait_flags` where the writers are done already (CPU
+    buffers, after a barrier): every flag must be set."""
+    del timeout_ms
+    for flag, source in zip(flags.tolist(), sources.tolist()):
+        if flag == 0:
+            raise RuntimeError(f"rank {source} sent nothing (its flag is not set)")
+    flags.zero_()

@@ -37,41 +37,42 @@ def _stage(region: torch.Tensor, t: torch.Tensor) -> None:
 class _NvlinkMegaMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer: SymmBuffer):
-        num_tokens, num_topk = topk_idx.shape
-        me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
-        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
-            _stage(buffer.local[name], t)
-        source_tokens = exchange_token_counts(buffer, num_tokens)
-        check_calls(buffer)
+        with buffer.exchange():
+            num_tokens, num_topk = topk_idx.shape
+            me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
+            for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
+                _stage(buffer.local[name], t)
+            source_tokens = exchange_token_counts(buffer, num_tokens)
+            check_calls(buffer)
 
-        # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
-        # with their experts made local (-1: elsewhere, or no token in that row). GEMM1 is launched
-        # with as few host-side ops before it as possible: the GPU would wait for them.
-        recv_idx = torch.stack([buffer.region("topk_idx").tensors[(me + s) % world] for s in range(world)])
-        recv_weights = torch.stack([buffer.region("topk_weights").tensors[(me + s) % world] for s in range(world)])
-        token_ids, pass_ids = buffer.constant(("recv", x.device), lambda: (
-            torch.arange(max_tokens, device=x.device), torch.arange(world, device=x.device).view(world, 1, 1)))
-        arrived = token_ids < source_tokens.roll(-me).unsqueeze(1)  # [pass, token]
-        expert = recv_idx - me * num_local
-        mine = (expert >= 0) & (expert < num_local) & arrived.unsqueeze(2)
-        local_weights = torch.where(mine, recv_weights, 0.0).view(-1, num_topk)
-        # Sorted by (expert, pass): GEMM1 runs pass by pass; the other kernels see experts only.
-        runs = build_routing_layout(torch.where(mine, expert * world + pass_ids, -1).view(-1, num_topk), local_weights,
-                                    num_local * world)
-        layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
-                               runs.slot_valid)
-        recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
-        try:
-            h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival,
-                                      early_results=lambda rows: send_partials(rows, layout, local_weights, buffer))
-        finally:  # (joined already unless it raised)
-            arrival.join()
-        y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
-        del rows
-        ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
-        ctx.save_for_backward(l1, l2, recv_x, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
-                              layout.slot_row, layout.slot_valid)
-        return y
+            # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
+            # with their experts made local (-1: elsewhere, or no token in that row). GEMM1 is launched
+            # with as few host-side ops before it as possible: the GPU would wait for them.
+            recv_idx = torch.stack([buffer.region("topk_idx").tensors[(me + s) % world] for s in range(world)])
+            recv_weights = torch.stack([buffer.region("topk_weights").tensors[(me + s) % world] for s in range(world)])
+            token_ids, pass_ids = buffer.constant(("recv", x.device), lambda: (
+                torch.arange(max_tokens, device=x.device), torch.arange(world, device=x.device).view(world, 1, 1)))
+            arrived = token_ids < source_tokens.roll(-me).unsqueeze(1)  # [pass, token]
+            expert = recv_idx - me * num_local
+            mine = (expert >= 0) & (expert < num_local) & arrived.unsqueeze(2)
+            local_weights = torch.where(mine, recv_weights, 0.0).view(-1, num_topk)
+            # Sorted by (expert, pass): GEMM1 runs pass by pass; the other kernels see experts only.
+            keys = torch.where(mine, expert * world + pass_ids, -1).view(-1, num_topk)
+            runs = build_routing_layout(keys, local_weights, num_local * world)
+            layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
+                                   runs.slot_valid)
+            recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
+            try:
+                h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival,
+                                          early_results=lambda rows: send_partials(rows, layout, local_weights, buffer))
+            finally:  # (joined already unless it raised)
+                arrival.join()
+            y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
+            del rows
+            ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
+            ctx.save_for_backward(l1, l2, recv_x, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
+                                  layout.slot_row, layout.slot_valid)
+            return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -79,28 +80,29 @@ class _NvlinkMegaMoE(torch.autograd.Function):
         buffer: SymmBuffer = ctx.buffer
         world, max_tokens = buffer.world, buffer.max_tokens
         num_tokens, num_topk = dy.shape[0], slot_row.shape[1]
-        dy = dy.contiguous()
-        _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
-        announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
-        buffer.barrier()
-        check_calls(buffer)
-        recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
+        with buffer.exchange():
+            dy = dy.contiguous()
+            _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
+            announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
+            buffer.barrier()
+            check_calls(buffer)
+            recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
 
-        layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
-        handle = MegaMoEHandle(layout, recv_x, h)
-        try:
-            dx, d_recv_weights, dl1, dl2 = mega_moe_backward(
-                recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype, dy_arrival=arrival,
-                send_dx_early=lambda rows, dw: send_partials(rows, layout, None, buffer, dw=dw),
-                combine_dx=lambda rows, lay, _dw: gather_partials(rows, lay, None, buffer, dy.new_empty(dy.shape)))
-        finally:  # (joined already unless it raised)
-            arrival.join()
-        # Each slot's gradient comes from the rank holding its expert; the others' are zeros.
-        dtopk_weights = d_recv_weights[:num_tokens]
-        if world > 1:
-            from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
-            dtopk_weights = dtopk_weights + from_others.sum(0)
-        return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
+            layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
+            handle = MegaMoEHandle(layout, recv_x, h)
+            try:
+                dx, d_recv_weights, dl1, dl2 = mega_moe_backward(
+                    recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype, dy_arrival=arrival,
+                    send_dx_early=lambda rows, dw: send_partials(rows, layout, None, buffer, dw=dw),
+                    combine_dx=lambda rows, lay, _dw: gather_partials(rows, lay, None, buffer, dy.new_empty(dy.shape)))
+            finally:  # (joined already unless it raised)
+                arrival.join()
+            # Each slot's gradient comes from the rank holding its expert; the others' are zeros.
+            dtopk_weights = d_recv_weights[:num_tokens]
+            if world > 1:
+                from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
+                dtopk_weights = dtopk_weights + from_others.sum(0)
+            return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
 
 
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

@@ -5,11 +5,8 @@
 // bf16 in and out, fp32 sums in slot order, then addend order (deterministic, no atomics). One
 // CTA per token at a time; each thread owns 16-byte column chunks, so every row read is
 // coalesced. Addends are partial sums other GPUs computed for these tokens (expert
-// parallelism); with `addend_ready`, block j is read only once addend_ready[j] != 0 (its
-// writer, another GPU's copy engine, sets the flag after the rows): the kernel waits ~10 s at
-// most, then fails with a message naming the rank it waited on.
+// parallelism), landed before this kernel starts (see ep_wait_flags.cuh).
 #include <cstdint>
-#include <cassert>
 #include <cuda_bf16.h>
 #include "../ptx/vec.cuh"
 
@@ -22,41 +19,8 @@ struct MoECombineParams {
     const float* weights;          // [T, K], or null for an unweighted sum
     __nv_bfloat16* out;            // [T, H]
     const __nv_bfloat16* addend;   // [num_addends, addend_stride, H] (addend_stride >= T), or null
-    const int* addend_ready;       // [num_addends] or null: flags to wait on before reading the addends
-    const int* addend_source;      // [num_addends]: the rank each block comes from (for the timeout message)
     uint32_t num_tokens, hidden, num_topk, num_addends, addend_stride;
 };
-
-// Stops the kernel with a message naming `rank`. A device printf would need a stack frame
-// (local memory); an assertion's message is a constant string, so there is one per rank of a
-// node.
-__device__ __forceinline__ void fail_waiting_for(int rank) {
-#define DG_NO_RESULTS_FROM(r) \
-    case r: __assert_fail("deep_gemm moe_combine: no results from rank " #r " after ~10 s (did it skip this layer?)", \
-                          __FILE__, __LINE__, __func__); break;
-    switch (rank) {
-        DG_NO_RESULTS_FROM(0) DG_NO_RESULTS_FROM(1) DG_NO_RESULTS_FROM(2) DG_NO_RESULTS_FROM(3)
-        DG_NO_RESULTS_FROM(4) DG_NO_RESULTS_FROM(5) DG_NO_RESULTS_FROM(6) DG_NO_RESULTS_FROM(7)
-        default: __assert_fail("deep_gemm moe_combine: no results from a rank >= 8 after ~10 s", __FILE__, __LINE__,
-                               __func__);
-    }
-#undef DG_NO_RESULTS_FROM
-    __trap();
-}
-
-__device__ __forceinline__ void wait_for_rank(const int* flag, int rank) {
-    constexpr long long kTimeoutCycles = 1ll << 34;  // ~10 s
-    const long long start = clock64();
-    int value = 0;
-    while (true) {
-        asm volatile("ld.acquire.sys.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
-        if (value != 0)
-            return;
-        if (clock64() - start > kTimeoutCycles)
-            fail_waiting_for(rank);
-        __nanosleep(256);
-    }
-}
 
 template <uint32_t kNumThreads>
 __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
@@ -66,13 +30,6 @@ __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
     // 1.6 TB/s at H = 4096 (measured).
     constexpr uint32_t kGroup = 8;
     const uint32_t num_chunks = p.hidden / kVec;
-    if (p.addend_ready != nullptr) {
-        if (threadIdx.x == 0) {
-            for (uint32_t j = 0; j < p.num_addends; ++j)
-                wait_for_rank(p.addend_ready + j, p.addend_source[j]);
-        }
-        __syncthreads();
-    }
     for (uint32_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
         __nv_bfloat16* out = p.out + static_cast<uint64_t>(token) * p.hidden;
         const uint64_t first_slot = static_cast<uint64_t>(token) * p.num_topk;
@@ -102,7 +59,7 @@ __device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
                 }
             }
             for (uint32_t j = 0; j < p.num_addends; ++j) {
-                // L2, not L1: another GPU wrote these rows while this kernel may have been running.
+                // Through L2 only: another GPU's copy engine wrote these rows.
                 const uint64_t row = static_cast<uint64_t>(j) * p.addend_stride + token;
                 float v[kVec];
                 ptx::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p.addend + row * p.hidden + chunk * kVec)), v);
