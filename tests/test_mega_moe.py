@@ -276,6 +276,8 @@ def test_wait_flags_orders_what_follows_after_the_landed_rows():
     sources = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # (not after the wait below: it would never end)
+    torch.cuda._sleep(1)  # loads the sleep kernel now: a first launch waits for running kernels to end
+    torch.cuda.synchronize()
     ep_wait_flags(flags, sources, 60_000)
     out = moe_combine_bf16(rows, layout, None, torch.empty(T, H, device="cuda", dtype=torch.bfloat16), addend=addend)
     with torch.cuda.stream(side):

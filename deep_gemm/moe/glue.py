@@ -151,8 +151,10 @@ def ep_wait_flags(flags: torch.Tensor, sources: torch.Tensor, timeout_ms: int) -
     """Stream-ordered: waits on the GPU until every int32 ``flags[j]`` is non-zero, then zeroes
     them; what the current stream runs next sees the data each flag guards. One thread waits
     (every other SM stays free). The flags' writers must need no SM of this GPU (another GPU's
-    copy engine and stream memory operation qualify). After `timeout_ms` the kernel fails with
-    a message naming ``sources[j]`` (int32, the rank that should have set flag j)."""
+    copy engine and stream memory operation qualify), and must not be issued after a kernel's
+    first launch in this process while the wait runs (lazy module loading makes that launch
+    wait for running kernels). After `timeout_ms` the kernel fails with a message naming
+    ``sources[j]`` (int32, the rank that should have set flag j)."""
     for name, t in (("flags", flags), ("sources", sources)):
         if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.numel() != flags.numel():
             raise ValueError(f"{name} must be a contiguous int32 vector of {flags.numel()} elements")
