@@ -153,11 +153,12 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
                                     .view_as(layout.slot_row), 0.0)
         dxs = torch.empty(layout.num_slots, hidden, device=dy.device, dtype=dy.dtype)
         if send_dx_early is not None and dy_arrival is not None and dy_arrival.num_passes > 1:  # dz @ l1[e]
-            runs = dict(group_offsets=dy_arrival.run_offsets, num_passes=dy_arrival.num_passes)
-            m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, **runs, pass_range=(1, dy_arrival.num_passes))
-            send_dx_early(dxs, dtopk_weights)
-            dl1_on_side()  # queued after the sends' combine, which would otherwise wait for dl1's GEMM
-            m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, **runs, pass_range=(0, 1))
+            def send(rows: torch.Tensor) -> None:
+                send_dx_early(rows, dtopk_weights)
+                dl1_on_side()  # queued after the sends' combine, which would otherwise wait for dl1's GEMM
+
+            moe_forward_module.gemm_other_ranks_first(m_grouped_bf16_gemm_nn_contiguous, dz, l1, dxs, dy_arrival,
+                                                      send)
         else:
             dl1_on_side()
             m_grouped_bf16_gemm_nn_contiguous(dz, l1, dxs, offsets)

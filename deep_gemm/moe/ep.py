@@ -87,17 +87,21 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
     rows[:own.shape[0]].copy_(own)
     peers = buffer.region(region).tensors
     stream, flags = buffer.copy_stream, buffer.ready_flags
-    if stream is None:
+
+    def copy_all() -> None:
         for s in range(1, world):
-            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])
+            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
+            if stream is not None:
+                stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+
+    if stream is None:
+        copy_all()
         return rows, RowArrival(run_offsets, world, None, lambda: None)
 
     current = torch.cuda.current_stream(own.device)
     stream.wait_stream(current)  # after the barrier: the peers' rows are staged
     with torch.cuda.stream(stream):
-        for s in range(1, world):
-            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
-            stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+        copy_all()
     rows.record_stream(stream)  # not reused before the copies into it are done, whatever happens
 
     joined = []

@@ -115,6 +115,18 @@ class RowArrival:
     join: Callable[[], None]
 
 
+def gemm_other_ranks_first(gemm: Callable, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, arrival: RowArrival,
+                           early: Callable[[torch.Tensor], None]) -> None:
+    """An m-grouped GEMM (`gemm(a, b, d, ...)`, nt or nn) over `arrival`'s (expert, pass) runs in
+    two launches: passes 1..S-1 (other ranks' tokens), then ``early(d)``, then pass 0, so that
+    what `early` starts with those rows (sending results to their ranks) overlaps the GEMM's
+    work on this rank's own rows. Needs S > 1."""
+    runs = dict(group_offsets=arrival.run_offsets, num_passes=arrival.num_passes)
+    gemm(a, b, d, **runs, pass_range=(1, arrival.num_passes))
+    early(d)
+    gemm(a, b, d, **runs, pass_range=(0, 1))
+
+
 def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2: torch.Tensor,
                     arrival: Optional[RowArrival] = None,
                     early_results: Optional[Callable[[torch.Tensor], None]] = None
@@ -146,10 +158,7 @@ def moe_expert_rows(x: torch.Tensor, layout: RoutingLayout, l1: torch.Tensor, l2
         arrival.join()
     out = x.new_empty(num_slots, hidden)
     if early_results is not None and arrival is not None and arrival.num_passes > 1:
-        runs = dict(group_offsets=arrival.run_offsets, num_passes=arrival.num_passes)
-        m_grouped_bf16_gemm_nt_contiguous(act, l2, out, **runs, pass_range=(1, arrival.num_passes))
-        early_results(out)
-        m_grouped_bf16_gemm_nt_contiguous(act, l2, out, **runs, pass_range=(0, 1))
+        gemm_other_ranks_first(m_grouped_bf16_gemm_nt_contiguous, act, l2, out, arrival, early_results)
     else:
         m_grouped_bf16_gemm_nt_contiguous(act, l2, out, layout.offsets)
     return h, out
