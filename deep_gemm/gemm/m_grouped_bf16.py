@@ -114,9 +114,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
             raise ValueError(f"h must be [{m}, {2 * n}] and row_weight [{m}], got {tuple(h.shape)} and "
                              f"{tuple(row_weight.shape)}")
         config = config or get_config(n)
-        slot = config.block_n // 2  # a short tile's warpgroups each sum half of its columns
-        if tuple(row_dw_part.shape) != (m, -(-n // slot)) or config.async_store:
-            raise ValueError(f"row_dw_part must be [{m}, ceil(N / {slot})] (a synchronous-store config)")
+        if tuple(row_dw_part.shape) != (m, -(-n // config.block_n)) or config.async_store:
+            raise ValueError(f"row_dw_part must be [{m}, ceil(N / {config.block_n})] (a synchronous-store config)")
     check_multiple("K", k, 8)
     check_multiple("N", n, 8)
     if max(m, a_rows, n, k) >= 2**31 or g * max(n, k) >= 2**31:
@@ -270,7 +269,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a: torch.Tensor, b: torch.Tenso
     """
     check_tensor("act_weighted", act_weighted, torch.bfloat16, 2)
     config = get_config(act_weighted.shape[1])
-    row_dw_part = torch.empty(act_weighted.shape[0], -(-act_weighted.shape[1] // (config.block_n // 2)),
+    row_dw_part = torch.empty(act_weighted.shape[0], -(-act_weighted.shape[1] // config.block_n),
                               device=act_weighted.device, dtype=torch.float32)
     _launch(a, b, act_weighted, group_offsets, True, config, a_row_index, swiglu_bwd=(h, row_weight, row_dw_part))
     return row_dw_part.sum(1)

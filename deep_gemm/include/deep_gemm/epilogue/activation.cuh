@@ -39,18 +39,17 @@ __device__ __forceinline__ void prefetch_swiglu_bwd_inputs(const __nv_bfloat16* 
 // The SwiGLU backward on a warpgroup's 64 x BLOCK_N accumulators D = dL/d(act) (before the
 // routing weight w), rows from `first_row` (the first `num_rows` exist), columns from `col0` of
 // N: reads g, u from h [*, 2N] (gate columns, then up), writes dz = d[g | u] of w * D over them,
-// w * act into act_weighted [*, N], and <D, act> over each kSlotN columns into
-// row_dw_part[row, column / kSlotN] (row_dw_part has ceil(N / kSlotN) columns). Each thread
-// reads and writes its own accumulators' bf16 pairs in place (layout: mma/wgmma_bf16.cuh),
-// `kBatch` column groups of loads in flight (L2 hits after `prefetch_swiglu_bwd_inputs`).
-template <uint32_t BLOCK_N, uint32_t kSlotN>
+// w * act into act_weighted [*, N], and <D, act> over these columns into
+// row_dw_part[row, col0 / BLOCK_N]. Each thread reads and writes its own accumulators' bf16
+// pairs in place (layout: mma/wgmma_bf16.cuh), `kBatch` column groups of loads in flight (L2
+// hits after `prefetch_swiglu_bwd_inputs`).
+template <uint32_t BLOCK_N>
 __device__ __forceinline__ void swiglu_bwd_direct(const float (&acc)[BLOCK_N / 2], __nv_bfloat16* h,
                                                   __nv_bfloat16* act_weighted, const float* row_weight,
                                                   float* row_dw_part, uint32_t n, uint32_t first_row,
                                                   uint32_t num_rows, uint32_t col0) {
     constexpr uint32_t kBatch = 8;  // more spills at BLOCK_N = 256 (168 registers at compile time)
-    static_assert(BLOCK_N % kSlotN == 0 and kSlotN % (8 * kBatch) == 0);
-    const uint32_t lane = ptx::lane_idx(), num_slots = (n + kSlotN - 1) / kSlotN;
+    const uint32_t lane = ptx::lane_idx(), num_n_tiles = (n + BLOCK_N - 1) / BLOCK_N;
     #pragma unroll
     for (uint32_t half = 0; half < 2; ++half) {
         const uint32_t r = ((threadIdx.x % 128) / 32) * 16 + lane / 4 + half * 8;
@@ -58,44 +57,40 @@ __device__ __forceinline__ void swiglu_bwd_direct(const float (&acc)[BLOCK_N / 2
         const uint64_t row = first_row + r;
         const float w = row_ok ? row_weight[row] : 0.0f;
         __nv_bfloat16* h_row = h + row * 2 * n;
+        float dot = 0.0f;
         #pragma unroll
-        for (uint32_t slot = 0; slot < BLOCK_N / kSlotN; ++slot) {
-            float dot = 0.0f;
+        for (uint32_t j0 = 0; j0 < BLOCK_N / 8; j0 += kBatch) {
+            uint32_t gate2[kBatch], up2[kBatch];
             #pragma unroll
-            for (uint32_t j0 = slot * kSlotN / 8; j0 < (slot + 1) * kSlotN / 8; j0 += kBatch) {
-                uint32_t gate2[kBatch], up2[kBatch];
-                #pragma unroll
-                for (uint32_t b = 0; b < kBatch; ++b) {
-                    const uint32_t c = col0 + (j0 + b) * 8 + (lane % 4) * 2;
-                    if (row_ok and c < n) {
-                        gate2[b] = *reinterpret_cast<const uint32_t*>(h_row + c);
-                        up2[b] = *reinterpret_cast<const uint32_t*>(h_row + n + c);
-                    }
-                }
-                #pragma unroll
-                for (uint32_t b = 0; b < kBatch; ++b) {
-                    const uint32_t c = col0 + (j0 + b) * 8 + (lane % 4) * 2;
-                    if (not (row_ok and c < n))
-                        continue;
-                    const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gate2[b]));
-                    const float2 up = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&up2[b]));
-                    const uint32_t i = (j0 + b) * 4 + half * 2;
-                    const SwiGLUGrad g0 = swiglu_grad(gate.x, up.x, w * acc[i]);
-                    const SwiGLUGrad g1 = swiglu_grad(gate.y, up.y, w * acc[i + 1]);
-                    dot += acc[i] * g0.act;
-                    dot += acc[i + 1] * g1.act;
-                    *reinterpret_cast<uint32_t*>(h_row + c) = ptx::pack_bf16x2(g0.d_gate, g1.d_gate);
-                    *reinterpret_cast<uint32_t*>(h_row + n + c) = ptx::pack_bf16x2(g0.d_up, g1.d_up);
-                    *reinterpret_cast<uint32_t*>(act_weighted + row * n + c) = ptx::pack_bf16x2(w * g0.act, w * g1.act);
+            for (uint32_t b = 0; b < kBatch; ++b) {
+                const uint32_t c = col0 + (j0 + b) * 8 + (lane % 4) * 2;
+                if (row_ok and c < n) {
+                    gate2[b] = *reinterpret_cast<const uint32_t*>(h_row + c);
+                    up2[b] = *reinterpret_cast<const uint32_t*>(h_row + n + c);
                 }
             }
-            // The four lanes holding a row's columns, in a fixed order.
-            dot += __shfl_xor_sync(0xffffffff, dot, 1);
-            dot += __shfl_xor_sync(0xffffffff, dot, 2);
-            const uint32_t slot_col = col0 + slot * kSlotN;
-            if (row_ok and slot_col < n and lane % 4 == 0)
-                row_dw_part[row * num_slots + slot_col / kSlotN] = dot;
+            #pragma unroll
+            for (uint32_t b = 0; b < kBatch; ++b) {
+                const uint32_t c = col0 + (j0 + b) * 8 + (lane % 4) * 2;
+                if (not (row_ok and c < n))
+                    continue;
+                const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gate2[b]));
+                const float2 up = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&up2[b]));
+                const uint32_t i = (j0 + b) * 4 + half * 2;
+                const SwiGLUGrad g0 = swiglu_grad(gate.x, up.x, w * acc[i]);
+                const SwiGLUGrad g1 = swiglu_grad(gate.y, up.y, w * acc[i + 1]);
+                dot += acc[i] * g0.act;
+                dot += acc[i + 1] * g1.act;
+                *reinterpret_cast<uint32_t*>(h_row + c) = ptx::pack_bf16x2(g0.d_gate, g1.d_gate);
+                *reinterpret_cast<uint32_t*>(h_row + n + c) = ptx::pack_bf16x2(g0.d_up, g1.d_up);
+                *reinterpret_cast<uint32_t*>(act_weighted + row * n + c) = ptx::pack_bf16x2(w * g0.act, w * g1.act);
+            }
         }
+        // The four lanes holding a row's columns, in a fixed order.
+        dot += __shfl_xor_sync(0xffffffff, dot, 1);
+        dot += __shfl_xor_sync(0xffffffff, dot, 2);
+        if (row_ok and lane % 4 == 0)
+            row_dw_part[row * num_n_tiles + col0 / BLOCK_N] = dot;
     }
 }
 

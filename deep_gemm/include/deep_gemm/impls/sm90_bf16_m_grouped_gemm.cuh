@@ -22,7 +22,6 @@
 // WGMMA math warpgroups.
 #include <cuda.h>
 #include <cuda_bf16.h>
-#include <type_traits>
 #include "../epilogue/activation.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/pipeline.cuh"
@@ -131,68 +130,40 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         const uint32_t wg = threadIdx.x / 128;
         uint8_t* staging = smem.extra() + wg * kStagingBytes;
         float acc[BLOCK_N / 2];
-        // One warpgroup's share of a tile, kWidth = width() columns wide: rows from `row` (the
-        // first `num_rows` exist) and columns from `col` of D; its A rows start `a_offset` bytes
-        // into the stage and its B columns `b_offset` bytes (with kSwiGLU, `col` counts gate
-        // columns and B holds 128 gate rows, then the matching 128 up rows).
-        const auto math_tile = [&](auto width, uint32_t row, uint32_t num_rows, uint32_t col, uint32_t a_offset,
-                                   uint32_t b_offset) {
-            constexpr uint32_t kWidth = decltype(width)::value;
-            // A half-width SwiGLU share takes its gate and its up columns as two pieces of B.
-            constexpr uint32_t kNumBParts = kSwiGLU and kWidth < BLOCK_N ? 2 : 1;
-            float (&part)[kWidth / 2] = *reinterpret_cast<float (*)[kWidth / 2]>(acc);
+        while (scheduler.next(tile)) {
+            const uint32_t row = wg * 64, num_rows = tile.num_rows > row ? tile.num_rows - row : 0;
             if constexpr (kSwiGLUBwd)
-                epilogue::prefetch_swiglu_bwd_inputs<kWidth>(p.d_aux, p.n, row, num_rows, col);
-            zero_accum(part);
-            consume_k_blocks<kWidth, kNumStages, Major::kKMajor, kMajorB, kNumBParts>(
-                smem, pipe, num_k_blocks, a_offset, part, [](uint32_t, uint32_t) {
+                epilogue::prefetch_swiglu_bwd_inputs<BLOCK_N>(p.d_aux, p.n, tile.row_begin + row, num_rows, tile.n_begin);
+            zero_accum(acc);
+            consume_k_blocks<BLOCK_N, kNumStages, Major::kKMajor, kMajorB>(
+                smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc, [](uint32_t, uint32_t) {
                     if constexpr (kGatherA)  // cp.async wrote A through the generic proxy; WGMMA reads the async one
                         ptx::fence_view_async_shared();
-                }, b_offset, 128 * kSwizzleBytes);
+                });
+            __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
             if constexpr (kSwiGLU) {
-                // Accumulators [0, kWidth / 4) hold the gate columns, the rest the up columns at
-                // the same positions (see mma/wgmma_bf16.cuh), so each thread pairs them in registers.
-                constexpr uint32_t kHalf = kWidth / 4;
-                const float (&gate)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(part);
-                const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(part + kHalf);
-                const uint32_t inter = p.n / 2;
-                __nv_bfloat16* h = p.d + static_cast<uint64_t>(row) * p.n + col;
-                epilogue::store_bf16_staged<kWidth / 2>(gate, staging, 1 + wg, h, p.n, num_rows, kWidth / 2);
-                epilogue::store_bf16_staged<kWidth / 2>(up, staging, 1 + wg, h + inter, p.n, num_rows, kWidth / 2);
-                float act[kHalf];
+                // Accumulators 0..63 hold the gate columns, 64..127 the up columns at the same
+                // positions (see mma/wgmma_bf16.cuh), so each thread pairs them in registers.
+                const float (&gate)[64] = *reinterpret_cast<const float (*)[64]>(acc);
+                const float (&up)[64] = *reinterpret_cast<const float (*)[64]>(acc + 64);
+                const uint32_t inter = p.n / 2, col = tile.n_begin / 2;
+                __nv_bfloat16* h = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + col;
+                epilogue::store_bf16_staged<128>(gate, staging, 1 + wg, h, p.n, num_rows, 128);
+                epilogue::store_bf16_staged<128>(up, staging, 1 + wg, h + inter, p.n, num_rows, 128);
+                float act[64];
                 #pragma unroll
-                for (uint32_t i = 0; i < kHalf; ++i)
+                for (uint32_t i = 0; i < 64; ++i)
                     act[i] = epilogue::swiglu(gate[i], up[i]);
-                epilogue::store_bf16_staged<kWidth / 2>(act, staging, 1 + wg,
-                                                        p.d_aux + static_cast<uint64_t>(row) * inter + col, inter,
-                                                        num_rows, kWidth / 2);
+                epilogue::store_bf16_staged<128>(act, staging, 1 + wg,
+                                                 p.d_aux + static_cast<uint64_t>(tile.row_begin + row) * inter + col,
+                                                 inter, num_rows, 128);
             } else if constexpr (kSwiGLUBwd) {
-                epilogue::swiglu_bwd_direct<kWidth, BLOCK_N / 2>(part, p.d_aux, p.d, p.row_weight, p.row_dw_part,
-                                                                 p.n, row, num_rows, col);
-            } else {
-                __nv_bfloat16* d = p.d + static_cast<uint64_t>(row) * p.n + col;
-                const uint32_t num_cols = col < p.n ? p.n - col : 0;
-                if constexpr (kAsyncStore)
-                    epilogue::store_rows_async<kWidth, __nv_bfloat16, false>(part, staging, 1 + wg, d, p.n, num_rows,
-                                                                             num_cols);
-                else
-                    epilogue::store_bf16_staged<kWidth>(part, staging, 1 + wg, d, p.n, num_rows, num_cols);
-            }
-        };
-        // B's bytes per 64 columns of a tile (with kSwiGLU: per 32 gate and 32 up columns).
-        constexpr uint32_t kBBytesPer64 = kMajorB == Major::kKMajor ? 64 * kSwizzleBytes : kMNChunkBytes;
-        while (scheduler.next(tile)) {
-            if (tile.num_rows <= 64) {
-                // A short tile (a group's last rows): both warpgroups take its rows, each half of
-                // its columns, so it costs half a tile's MMAs rather than a whole tile's.
-                const uint32_t col = (kSwiGLU ? tile.n_begin / 2 : tile.n_begin) + wg * (BLOCK_N / (kSwiGLU ? 4 : 2));
-                math_tile(std::integral_constant<uint32_t, BLOCK_N / 2>{}, tile.row_begin, tile.num_rows, col, 0,
-                          wg * (BLOCK_N / 2 / (kSwiGLU ? 2 : 1)) / 64 * kBBytesPer64);
-            } else {
-                const uint32_t row = wg * 64;
-                math_tile(std::integral_constant<uint32_t, BLOCK_N>{}, tile.row_begin + row, tile.num_rows - row,
-                          kSwiGLU ? tile.n_begin / 2 : tile.n_begin, row * kSwizzleBytes, 0);
-            }
+                epilogue::swiglu_bwd_direct<BLOCK_N>(acc, p.d_aux, p.d, p.row_weight, p.row_dw_part, p.n,
+                                                     tile.row_begin + row, num_rows, tile.n_begin);
+            } else if constexpr (kAsyncStore)
+                epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
+            else
+                epilogue::store_bf16_staged<BLOCK_N>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
             DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
         if constexpr (kAsyncStore)

@@ -77,20 +77,13 @@ __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* 
 }
 
 // One math warpgroup's mainloop over `num_k_blocks` stages into `acc` (64 x BLOCK_N).
-// `a_offset` selects the warpgroup's 64 rows inside the A tile and `b_offset` its first column
-// inside the B tile; with kNumBParts > 1 its columns are that many equal pieces of B,
-// `b_part_stride` bytes apart, accumulated one after the other in `acc`.
-// `before_mma(stage, k_block)` runs after the stage has landed and before any MMA reads it.
-// The MMAs of block k stay in flight while block k+1 is issued; a stage is released once the
-// MMAs reading it are done.
-template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, uint32_t kNumBParts = 1,
-          typename Smem, typename BeforeMMA>
+// `a_offset` selects the warpgroup's 64 rows inside the A tile. `before_mma(stage, k_block)`
+// runs after the stage has landed and before any MMA reads it. The MMAs of block k stay in
+// flight while block k+1 is issued; a stage is released once the MMAs reading it are done.
+template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, typename Smem, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
-                                                 const BeforeMMA& before_mma, uint32_t b_offset = 0,
-                                                 uint32_t b_part_stride = 0) {
-    constexpr uint32_t kPartN = BLOCK_N / kNumBParts;
-    using PartAcc = float[kPartN / 2];
+                                                 const BeforeMMA& before_mma) {
     // One thread per warpgroup releases stages. (No warp shuffle here: a shuffle reached by
     // one lane only, e.g. behind a short-circuit, deadlocks the warp.)
     const bool releases = threadIdx.x % 128 == 0;
@@ -105,17 +98,13 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
         before_mma(pipe.stage, k_block);
 
         const uint8_t* a_tile = smem.a(pipe.stage) + a_offset;
-        const uint8_t* b_tile = smem.b(pipe.stage) + b_offset;
+        const uint8_t* b_tile = smem.b(pipe.stage);
         warpgroup_fence_operand(acc);
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
-            #pragma unroll
-            for (uint32_t part = 0; part < kNumBParts; ++part) {
-                WGMMA<kPartN>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
-                    make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile + part * b_part_stride, k),
-                    *reinterpret_cast<PartAcc*>(acc + part * (kPartN / 2)), true);
-            }
+            WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
+                make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
         }
         warpgroup_commit_batch();
         warpgroup_fence_operand(acc);
