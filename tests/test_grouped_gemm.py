@@ -211,9 +211,11 @@ def test_m_grouped_passes(num_passes, swiglu):
 
 
 @requires_sm90
+@pytest.mark.parametrize("config", [None, m_grouped_bf16.make_m_grouped_config(256, tma_store=True)],
+                         ids=["default", "bn256t"])
 @pytest.mark.parametrize("b_mn_major", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("num_passes", [2, 4])
-def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major):
+def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major, config):
     """A launch over passes [begin, end) writes their runs and leaves every other row alone; two
     launches that cover all passes equal one launch over them (bitwise)."""
     num_groups, n, k = 5, 384, 256
@@ -223,13 +225,13 @@ def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major)
     b = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / k**0.5
     gemm = deep_gemm.m_grouped_bf16_gemm_nn_contiguous if b_mn_major else deep_gemm.m_grouped_bf16_gemm_nt_contiguous
     whole = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gemm(a, b, whole, offsets, num_passes=num_passes)
+    gemm(a, b, whole, offsets, num_passes=num_passes, config=config)
     split = torch.full_like(whole, float("nan"))
-    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(1, num_passes))
+    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(1, num_passes), config=config)
     row_pass = torch.tensor([s % num_passes for s, size in enumerate(sizes) for _ in range(size)], device="cuda")
     assert torch.isnan(split[row_pass == 0]).all(), "pass 0 was not in the range"
     assert torch.equal(split[row_pass > 0], whole[row_pass > 0])
-    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(0, 1))
+    gemm(a, b, split, offsets, num_passes=num_passes, pass_range=(0, 1), config=config)
     assert torch.equal(split, whole)
 
 

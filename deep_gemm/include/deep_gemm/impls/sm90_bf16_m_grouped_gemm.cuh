@@ -34,6 +34,7 @@ namespace deep_gemm {
 struct MGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (unused with kGatherA)
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
+    CUtensorMap tensor_map_d;  // D as [1, M, N]; box {64 (N), 64 rows, 1} (kTmaStore only)
     __nv_bfloat16* d;          // [M, N]
     __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU; h [M, 2N] (in, then dz) with kSwiGLUBwd
     const int* group_offsets;  // [G * num_passes + 1]
@@ -46,17 +47,26 @@ struct MGroupedGemmParams {
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
-// (epilogue::store_rows_async) instead of 16-byte stores by the math threads.
+// (epilogue::store_rows_async) instead of 16-byte stores by the math threads. kTmaStore:
+// through tensor stores (epilogue::store_tile_tma) that likewise overlap; a warpgroup whose 64
+// rows are not all in the group (a group's last tile) stores synchronously instead, since a
+// tensor store would write the next group's rows.
 template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA, bool kSwiGLU,
-          bool kSwiGLUBwd = false>
+          bool kSwiGLUBwd = false, bool kTmaStore = false>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
     static_assert(not kSwiGLU or (BLOCK_N == 256 and kMajorB == Major::kKMajor and not kAsyncStore),
                   "the SwiGLU epilogue pairs 128 gate with 128 up columns, staged synchronously");
     static_assert(not kSwiGLUBwd or (not kSwiGLU and not kAsyncStore), "one epilogue at a time");
+    static_assert(not kTmaStore or not (kAsyncStore or kSwiGLU or kSwiGLUBwd), "one epilogue at a time");
     constexpr uint32_t BLOCK_M = 128;
-    constexpr uint32_t kStagingBytes = kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
-                                                   : epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
+    constexpr uint32_t kSyncStagingBytes = epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
+    constexpr uint32_t kTmaStagingBytes = epilogue::SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup;
+    // Each warpgroup's staging starts 1024-byte aligned (the tensor stores' swizzle).
+    constexpr uint32_t kStagingBytes =
+        kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
+        : kTmaStore ? ptx::ceil_div(kSyncStagingBytes > kTmaStagingBytes ? kSyncStagingBytes : kTmaStagingBytes, 1024u) * 1024
+                    : kSyncStagingBytes;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
 
@@ -160,13 +170,22 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
             } else if constexpr (kSwiGLUBwd) {
                 epilogue::swiglu_bwd_direct<BLOCK_N>(acc, p.d_aux, p.d, p.row_weight, p.row_dw_part, p.n,
                                                      tile.row_begin + row, num_rows, tile.n_begin);
-            } else if constexpr (kAsyncStore)
+            } else if constexpr (kAsyncStore) {
                 epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
-            else
+            } else if (kTmaStore and num_rows >= 64) {
+                epilogue::store_tile_tma<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, &p.tensor_map_d,
+                                                                        tile.n_begin, tile.row_begin + row, 0);
+            } else {
+                if constexpr (kTmaStore) {  // the staging may still feed earlier tensor stores
+                    if (threadIdx.x % 128 == 0)
+                        ptx::bulk_wait_group_read<0>();
+                    ptx::named_barrier_sync(1 + wg, 128);
+                }
                 epilogue::store_bf16_staged<BLOCK_N>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
+            }
             DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
         }
-        if constexpr (kAsyncStore)
+        if constexpr (kAsyncStore or kTmaStore)
             epilogue::store_rows_async_drain();
     }
 }
