@@ -16,10 +16,11 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
 // Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
 // Tiles are ordered by group; inside a group, CTAs running at the same time share A's rows and
 // B's columns in L2, and the operand that is larger for the group streams past while the
-// smaller one stays in L2: when the group has fewer rows than N (B, the weights, is larger),
-// the tiles reading one column block of B come together (M blocks fastest), otherwise those
-// reading one row block of A (N blocks fastest; a hot expert's rows). With few rows per group,
-// M fastest read each expert's weights from HBM once (DeepSeek-V3 GEMMs: 10-20% faster).
+// smaller one stays in L2: when the group has at most as many rows as N (both rounded up to
+// whole tiles: B, the weights, is larger), the tiles reading one column block of B come
+// together (M blocks fastest), otherwise those reading one row block of A (N blocks fastest; a
+// hot expert's rows). With few rows per group, M blocks fastest read each expert's weights from
+// HBM about once (DeepSeek-V3's GEMMs: 3-22% faster than N blocks fastest, PERF.md session 7).
 //
 // With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
 // entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
