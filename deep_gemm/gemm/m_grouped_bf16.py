@@ -54,8 +54,11 @@ def all_configs() -> list[GemmConfig]:
 def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False, swiglu: bool = False,
                swiglu_bwd: bool = False):
     major = "deep_gemm::mma::Major::kMNMajor" if b_mn_major else "deep_gemm::mma::Major::kKMajor"
-    args = [config.block_n, config.num_stages, major, str(config.async_store).lower(), str(gather_a).lower(),
-            str(swiglu).lower()] + (["true"] if swiglu_bwd else []) + (["false", "true"] if config.tma_store else [])
+    if swiglu_bwd and config.tma_store:
+        raise ValueError("the SwiGLU-backward epilogue stores from registers: pick a config without tma_store")
+    flag = lambda v: str(v).lower()  # noqa: E731
+    args = [config.block_n, config.num_stages, major, flag(config.async_store), flag(gather_a), flag(swiglu),
+            flag(swiglu_bwd), flag(config.tma_store)]
     return build_gemm_kernel("sm90_bf16_m_grouped_gemm.cuh", "MGroupedGemmParams", "sm90_bf16_m_grouped_gemm_impl",
                              args, config.smem_bytes)
 
