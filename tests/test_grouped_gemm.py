@@ -213,8 +213,8 @@ def test_m_grouped_passes(num_passes, swiglu):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config", [None, m_grouped_bf16.make_m_grouped_config(256, tma_store=True)],
-                         ids=["default", "bn256t"])
+@pytest.mark.parametrize("config", [m_grouped_bf16.make_m_grouped_config(256),
+                                    m_grouped_bf16.make_m_grouped_config(256, tma_store=True)], ids=_config_id)
 @pytest.mark.parametrize("b_mn_major", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("num_passes", [2, 4])
 def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major, config):

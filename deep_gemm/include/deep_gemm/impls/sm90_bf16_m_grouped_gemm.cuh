@@ -68,6 +68,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
         : kTmaStore ? ptx::ceil_div(kSyncStagingBytes > kTmaStagingBytes ? kSyncStagingBytes : kTmaStagingBytes, 1024u) * 1024
                     : kSyncStagingBytes;
+    static_assert(not kTmaStore or kStagingBytes % 1024 == 0);
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
 
@@ -76,6 +77,11 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     const uint32_t num_k_blocks = ptx::ceil_div(p.k, BLOCK_K);
 
     start_gemm<kGatherA>(smem, &p.tensor_map_a, &p.tensor_map_b);
+    if (kTmaStore and threadIdx.x == 0) {  // once per CTA, for the stores the math warpgroups issue
+        ptx::prefetch_tma_descriptor(&p.tensor_map_d);
+        if constexpr (kSwiGLU)
+            ptx::prefetch_tma_descriptor(&p.tensor_map_aux);
+    }
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.pass_begin, p.pass_end, p.m, p.n);
     typename Scheduler::Tile tile;
