@@ -3,7 +3,8 @@
 For each model (DESIGN.md's standard shapes) and routing (uniform, skewed), the six grouped
 GEMMs of one MoE layer's training step:
     fwd1   x @ l1[e].T        m-grouped nt   N = 2I, K = H
-           ("fwd1 gather": x's rows gathered by our loads vs index_select + torch._grouped_mm)
+           ("fwd1 gather": x's rows gathered by our loads vs index_select + torch._grouped_mm;
+            "fwd1 swiglu": with act = silu(gate) * up in our epilogue vs torch's elementwise ops)
     fwd2   a @ l2[e].T        m-grouped nt   N = H,  K = I
     dgrad1 dz @ l1[e]         m-grouped nn   N = H,  K = 2I
     dgrad2 dy @ l2[e]         m-grouped nn   N = I,  K = H
@@ -47,6 +48,7 @@ def gemm_cases(hidden: int, inter: int):
         ("wgrad1", "tn", 2 * inter, hidden),
         ("wgrad2", "tn", hidden, inter),
         ("fwd1 gather", "ntg", 2 * inter, hidden),
+        ("fwd1 swiglu", "nts", 2 * inter, hidden),
     ]
 
 
@@ -65,6 +67,22 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
             source, b, d, offsets, a_row_index=index, config=config)
         configs = m_grouped_bf16.all_configs()
         theirs = lambda: torch._grouped_mm(source.index_select(0, index), b.transpose(1, 2), offs=ends)  # noqa: E731
+        flops = 2 * rows * n * k
+    elif kind == "nts":  # the MoE's first GEMM: h and act = silu(gate) * up
+        n, k = d1, d2
+        a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16)
+        d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        act = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
+        ours = lambda config=None: deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(  # noqa: E731
+            a, b, d, act, offsets, config=config)
+        configs = m_grouped_bf16.SWIGLU_CONFIGS
+
+        def theirs():
+            h = torch._grouped_mm(a, b.transpose(1, 2), offs=ends)
+            gate, up = h.chunk(2, dim=-1)
+            torch.nn.functional.silu(gate) * up
+            return h
         flops = 2 * rows * n * k
     elif kind in ("nt", "nn"):
         n, k = d1, d2

@@ -2,7 +2,8 @@
 
 For each standard shape (DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
-above the inputs, for
+above the inputs, allocated (tensors alive) and reserved (what the caching allocator holds:
+a block freed on a side stream stays there while that stream may still use it), for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with
              token rows gathered by the forward GEMM's loads and copied before the backward
              GEMMs (the default, deep_gemm.moe.forward.GATHER_ROWS); as "ours, rows copied"
@@ -136,10 +137,12 @@ def print_gpu_gaps(prof, top: int = 8) -> None:
 
 
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
-    """Median fwd ms, median bwd ms, peak bytes above the inputs."""
+    """Median fwd ms, median bwd ms, peak allocated and peak reserved bytes above the inputs."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()  # blocks cached by an earlier impl would hide this one's reservations
+    base_reserved = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     fwd, bwd = [], []
     for i in range(warmup + iters):
@@ -157,8 +160,9 @@ def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
         del y
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
     median = lambda pairs: sorted(a.elapsed_time(b) for a, b in pairs)[len(pairs) // 2]  # noqa: E731
-    return median(fwd), median(bwd), peak
+    return median(fwd), median(bwd), peak, peak_reserved
 
 
 def main() -> None:
@@ -190,7 +194,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     warm_up_gpu()
     header = (f"{'model':<5} {'route':<7} {'impl':<21} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
-              f"{'vs torch':>8} {'peak GB':>8}")
+              f"{'vs torch':>8} {'peak GB':>8} {'reserved':>8}")
     lines, results = [header], []
     print(header, flush=True)
     for model in args.models.split(","):
@@ -206,14 +210,15 @@ def main() -> None:
                 if override:
                     setattr(*override)
                 try:
-                    fwd, bwd, peak = time_fwd_bwd(fn, inputs, p["dy"])
+                    fwd, bwd, peak, peak_reserved = time_fwd_bwd(fn, inputs, p["dy"])
                 finally:
                     if override:
                         setattr(*override[:2], saved)
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<21} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
-                        f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f}")
+                        f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f} "
+                        f"{peak_reserved / 2**30:>8.2f}")
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
@@ -290,7 +295,7 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                 if wanted - set(runs):
                     raise ValueError(f"unknown implementations {sorted(wanted - set(runs))}; known: {sorted(runs)}")
                 timings = {name: run() for name, run in runs.items() if name in wanted}
-                slow = {name: (slowest(fwd), slowest(bwd)) for name, (fwd, bwd, _) in timings.items()}
+                slow = {name: (slowest(fwd), slowest(bwd)) for name, (fwd, bwd, *_) in timings.items()}
                 totals = {name: fwd + bwd for name, (fwd, bwd) in slow.items()}
                 for name, (fwd, bwd) in slow.items():
                     total = fwd + bwd

@@ -28,6 +28,12 @@ for config in m_grouped_bf16.all_configs():
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets, a_row_index=row_index, config=config)
         deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, b.view(len(sizes), 192, 264), d, offsets,
                                                     a_row_index=row_index, config=config)
+b_swiglu = torch.randn(len(sizes), 256, 192, device="cuda", dtype=torch.bfloat16)  # 2I = 256
+h, act = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16), torch.empty(rows, 128, device="cuda", dtype=torch.bfloat16)
+for config in m_grouped_bf16.SWIGLU_CONFIGS:
+    for row_index in (None, index):
+        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(a, b_swiglu, h, act, offsets, a_row_index=row_index,
+                                                            config=config)
 # The same rows as runs (group, pass) of 5 groups x 2 passes, flags already set (nothing to wait for).
 flags = torch.ones(2, dtype=torch.int32, device="cuda")
 run_offsets = offsets_from_sizes([0, 0, 1, 0, 60, 70, 30, 34, 0, 70])

@@ -147,9 +147,10 @@ def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
 
 
 @requires_sm90
+@pytest.mark.parametrize("config", m_grouped_bf16.SWIGLU_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
 @pytest.mark.parametrize("sizes,inter,k", [([0, 1, 127, 300, 1000], 128, 512), ("uniform", 768, 2048), ([5000], 256, 72)])
-def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather):
+def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather, config):
     sizes = _sizes(sizes)
     m = sum(sizes) + 3
     source = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -158,7 +159,8 @@ def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather):
     b = torch.randn(len(sizes), 2 * inter, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     h = torch.full((m, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     act = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, h, act, offsets_from_sizes(sizes), a_row_index=index)
+    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, h, act, offsets_from_sizes(sizes), a_row_index=index,
+                                                        config=config)
     torch.cuda.synchronize()
     rows = sum(sizes)
     ref_h = _ref_m_grouped(a, b, sizes, False)
@@ -211,8 +213,8 @@ def test_m_grouped_passes(num_passes, swiglu):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config", [None, m_grouped_bf16.make_m_grouped_config(256, tma_store=True)],
-                         ids=["default", "bn256t"])
+@pytest.mark.parametrize("config", [m_grouped_bf16.make_m_grouped_config(256),
+                                    m_grouped_bf16.make_m_grouped_config(256, tma_store=True)], ids=_config_id)
 @pytest.mark.parametrize("b_mn_major", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("num_passes", [2, 4])
 def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major, config):

@@ -33,10 +33,11 @@ def all_kernels():
             for gather in (False, True):
                 out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{config.label}{'_gather' if gather else ''}",
                             lambda c=config, mn=mn_major, g=gather: m_grouped_bf16.get_kernel(c, mn, g)))
-    for gather in (False, True):
-        out.append((f"m_grouped_nt_swiglu{'_gather' if gather else ''}",
-                    lambda g=gather: m_grouped_bf16.get_kernel(m_grouped_bf16.SWIGLU_CONFIG, False, g, True)))
-    for block_n in (128, 256):  # the SwiGLU-backward epilogue runs on the default config of N
+    for config in m_grouped_bf16.SWIGLU_CONFIGS:
+        for gather in (False, True):
+            out.append((f"m_grouped_nt_swiglu_{config.label}{'_gather' if gather else ''}",
+                        lambda c=config, g=gather: m_grouped_bf16.get_kernel(c, False, g, True)))
+    for block_n in (128, 256):  # the SwiGLU-backward epilogue: get_swiglu_bwd_config(N)
         for gather in (False, True):
             out.append((f"m_grouped_nn_swiglu_bwd_{block_n}{'_gather' if gather else ''}",
                         lambda b=block_n, g=gather: m_grouped_bf16.get_kernel(

@@ -38,10 +38,17 @@ def make_m_grouped_config(block_n: int, async_store: bool = False, tma_store: bo
 
 @functools.lru_cache(maxsize=None)
 def get_config(n: int) -> GemmConfig:
-    """The variant the launchers pick for output width `n`. (The tensor-store variants were
-    measured 1-14% faster in session 7's sweep, PERF.md; they become the default once the MoE
-    and expert-parallel tests have run on them.)"""
-    return make_m_grouped_config(256 if n > 128 else 128)
+    """The variant the launchers pick for output width `n`: outputs drain through tensor stores
+    that overlap the next tile's MMAs (session 7's sweep: 1-14% faster than staged stores by
+    the math threads on 11 of 12 shapes, PERF.md)."""
+    return make_m_grouped_config(256 if n > 128 else 128, tma_store=True)
+
+
+@functools.lru_cache(maxsize=None)
+def get_swiglu_bwd_config(n: int) -> GemmConfig:
+    """The SwiGLU-backward epilogue's variant: `get_config`'s tile width, stores by the math
+    threads (that epilogue writes its outputs from registers)."""
+    return make_m_grouped_config(get_config(n).block_n)
 
 
 def all_configs() -> list[GemmConfig]:
@@ -63,8 +70,10 @@ def get_kernel(config: GemmConfig, b_mn_major: bool, gather_a: bool = False, swi
                              args, config.smem_bytes)
 
 
-# The SwiGLU epilogue's only variant: 256-wide tiles (128 gate + 128 up columns), staged stores.
-SWIGLU_CONFIG = make_m_grouped_config(256)
+# The SwiGLU epilogue's variants: 256-wide tiles (128 gate + 128 up columns), outputs by tensor
+# stores (the default) or staged stores.
+SWIGLU_CONFIGS = (make_m_grouped_config(256, tma_store=True), make_m_grouped_config(256))
+SWIGLU_CONFIG = SWIGLU_CONFIGS[0]
 
 
 _printed: set = set()
@@ -117,9 +126,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         check_multiple("N = 2I (the SwiGLU epilogue pairs 128 gate with 128 up columns)", n, 256)
         if tuple(act.shape) != (m, n // 2):
             raise ValueError(f"act must have shape {(m, n // 2)}, got {tuple(act.shape)}")
-        if config is not None and config != SWIGLU_CONFIG:
-            raise ValueError(f"the SwiGLU epilogue runs only as {SWIGLU_CONFIG}")
-        config = SWIGLU_CONFIG
+        if config is not None and config not in SWIGLU_CONFIGS:
+            raise ValueError(f"the SwiGLU epilogue runs only as one of {SWIGLU_CONFIGS}")
+        config = config or SWIGLU_CONFIG
     if swiglu_bwd is not None:
         h, row_weight, row_dw_part = swiglu_bwd
         check_tensor("h", h, torch.bfloat16, 2)
@@ -128,7 +137,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
         if tuple(h.shape) != (m, 2 * n) or row_weight.numel() != m:
             raise ValueError(f"h must be [{m}, {2 * n}] and row_weight [{m}], got {tuple(h.shape)} and "
                              f"{tuple(row_weight.shape)}")
-        config = config or get_config(n)
+        config = config or get_swiglu_bwd_config(n)
         if tuple(row_dw_part.shape) != (m, -(-n // config.block_n)) or config.async_store or config.tma_store:
             raise ValueError(f"row_dw_part must be [{m}, ceil(N / {config.block_n})] (a synchronous-store config)")
     check_multiple("K", k, 8)
@@ -162,7 +171,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, group_offsets: to
     aux = act if act is not None else (h if swiglu_bwd is not None else None)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     tma_d = make_tma_3d_desc(d.unsqueeze(0), 64, 64) if config.tma_store else bytes(128)
-    params = pack_params([tma_a, tma_b, tma_d], [d.data_ptr(), ptr(aux), group_offsets.data_ptr(), ptr(a_row_index),
+    tma_aux = make_tma_3d_desc(act.unsqueeze(0), 64, 64) if config.tma_store and act is not None else bytes(128)
+    params = pack_params([tma_a, tma_b, tma_d, tma_aux], [d.data_ptr(), ptr(aux), group_offsets.data_ptr(), ptr(a_row_index),
                                           a.data_ptr(), ptr(row_weight if swiglu_bwd else None),
                                           ptr(row_dw_part if swiglu_bwd else None), ptr(ready_flags)],
                          [m, n, k, num_groups, a_rows, num_passes, pass_begin, pass_end])
@@ -240,7 +250,8 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
 def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, act: torch.Tensor,
                                              group_offsets: torch.Tensor, *,
                                              a_row_index: Optional[torch.Tensor] = None, num_passes: int = 1,
-                                             ready_flags: Optional[torch.Tensor] = None) -> None:
+                                             ready_flags: Optional[torch.Tensor] = None,
+                                             config: Optional[GemmConfig] = None) -> None:
     """The MoE's first GEMM with SwiGLU in its epilogue: ``h = A @ B[g].T`` and
     ``act = silu(h[:, :I]) * h[:, I:]`` (from the fp32 accumulators), per group of rows.
 
@@ -254,10 +265,11 @@ def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h
         a_row_index: optional int64 ``[M]`` row gather of `a`.
         num_passes, ready_flags: rows in passes that wait for their data, as in
             `m_grouped_bf16_gemm_nt_contiguous`.
+        config: one of `deep_gemm.gemm.m_grouped_bf16.SWIGLU_CONFIGS` (default: the first).
 
     Requires I a multiple of 128 and K a multiple of 8. Only rows inside a group are written.
     """
-    _launch(a, b, h, group_offsets, False, None, a_row_index, act, num_passes=num_passes, ready_flags=ready_flags)
+    _launch(a, b, h, group_offsets, False, config, a_row_index, act, num_passes=num_passes, ready_flags=ready_flags)
 
 
 def m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a: torch.Tensor, b: torch.Tensor, act_weighted: torch.Tensor,
@@ -284,7 +296,7 @@ def m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a: torch.Tensor, b: torch.Tenso
     N of 8. Deterministic: each row's sum is reduced in a fixed order.
     """
     check_tensor("act_weighted", act_weighted, torch.bfloat16, 2)
-    config = get_config(act_weighted.shape[1])
+    config = get_swiglu_bwd_config(act_weighted.shape[1])
     row_dw_part = torch.empty(act_weighted.shape[0], -(-act_weighted.shape[1] // config.block_n),
                               device=act_weighted.device, dtype=torch.float32)
     _launch(a, b, act_weighted, group_offsets, True, config, a_row_index, swiglu_bwd=(h, row_weight, row_dw_part))

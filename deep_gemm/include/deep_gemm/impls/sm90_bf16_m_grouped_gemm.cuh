@@ -35,6 +35,7 @@ struct MGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [M, K]; box {64 (K), 128 rows} (unused with kGatherA)
     CUtensorMap tensor_map_b;  // K-major: [G * N, K], box {64, BLOCK_N}; MN-major: [G * K, N], box {64, 64}
     CUtensorMap tensor_map_d;  // D as [1, M, N]; box {64 (N), 64 rows, 1} (kTmaStore only)
+    CUtensorMap tensor_map_aux;  // d_aux as [1, M, N / 2], the same box (kTmaStore with kSwiGLU only)
     __nv_bfloat16* d;          // [M, N]
     __nv_bfloat16* d_aux;      // [M, N / 2] with kSwiGLU; h [M, 2N] (in, then dz) with kSwiGLUBwd
     const int* group_offsets;  // [G * num_passes + 1]
@@ -47,18 +48,18 @@ struct MGroupedGemmParams {
 };
 
 // kAsyncStore: the epilogue drains through bulk copies that overlap the next tile's MMAs
-// (epilogue::store_rows_async) instead of 16-byte stores by the math threads. kTmaStore:
-// through tensor stores (epilogue::store_tile_tma) that likewise overlap; a warpgroup whose 64
-// rows are not all in the group (a group's last tile) stores synchronously instead, since a
-// tensor store would write the next group's rows.
+// (epilogue::store_rows_async) instead of 16-byte stores by the math threads. kTmaStore (also
+// with kSwiGLU): through tensor stores (epilogue::store_tile_tma) that likewise overlap; a
+// warpgroup whose 64 rows are not all in the group (a group's last tile) stores synchronously
+// instead, since a tensor store would write the next group's rows.
 template <uint32_t BLOCK_N, uint32_t kNumStages, mma::Major kMajorB, bool kAsyncStore, bool kGatherA, bool kSwiGLU,
           bool kSwiGLUBwd = false, bool kTmaStore = false>
 __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemmParams& p) {
     using namespace mma;
     static_assert(not kSwiGLU or (BLOCK_N == 256 and kMajorB == Major::kKMajor and not kAsyncStore),
-                  "the SwiGLU epilogue pairs 128 gate with 128 up columns, staged synchronously");
+                  "the SwiGLU epilogue pairs 128 gate with 128 up columns, staged or by tensor stores");
     static_assert(not kSwiGLUBwd or (not kSwiGLU and not kAsyncStore), "one epilogue at a time");
-    static_assert(not kTmaStore or not (kAsyncStore or kSwiGLU or kSwiGLUBwd), "one epilogue at a time");
+    static_assert(not kTmaStore or not (kAsyncStore or kSwiGLUBwd), "one epilogue at a time");
     constexpr uint32_t BLOCK_M = 128;
     constexpr uint32_t kSyncStagingBytes = epilogue::StagedBF16<BLOCK_N>::kBytesPerWarpgroup;
     constexpr uint32_t kTmaStagingBytes = epilogue::SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup;
@@ -67,6 +68,7 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
         kAsyncStore ? epilogue::RowStaging<BLOCK_N, __nv_bfloat16>::kBytesPerWarpgroup
         : kTmaStore ? ptx::ceil_div(kSyncStagingBytes > kTmaStagingBytes ? kSyncStagingBytes : kTmaStagingBytes, 1024u) * 1024
                     : kSyncStagingBytes;
+    static_assert(not kTmaStore or kStagingBytes % 1024 == 0);
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
 
@@ -75,6 +77,11 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
     const uint32_t num_k_blocks = ptx::ceil_div(p.k, BLOCK_K);
 
     start_gemm<kGatherA>(smem, &p.tensor_map_a, &p.tensor_map_b);
+    if (kTmaStore and threadIdx.x == 0) {  // once per CTA, for the stores the math warpgroups issue
+        ptx::prefetch_tma_descriptor(&p.tensor_map_d);
+        if constexpr (kSwiGLU)
+            ptx::prefetch_tma_descriptor(&p.tensor_map_aux);
+    }
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.pass_begin, p.pass_end, p.m, p.n);
     typename Scheduler::Tile tile;
@@ -151,36 +158,46 @@ __device__ __forceinline__ void sm90_bf16_m_grouped_gemm_impl(const MGroupedGemm
                         ptx::fence_view_async_shared();
                 });
             __nv_bfloat16* d = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + tile.n_begin;
+            // Tensor stores write whole 64-row boxes: only for a warpgroup whose rows are all in the group.
+            const bool tensor_stores = kTmaStore and num_rows >= 64;
+            if (kTmaStore and not tensor_stores) {  // the staging may still feed earlier tensor stores
+                if (threadIdx.x % 128 == 0)
+                    ptx::bulk_wait_group_read<0>();
+                ptx::named_barrier_sync(1 + wg, 128);
+            }
             if constexpr (kSwiGLU) {
                 // Accumulators 0..63 hold the gate columns, 64..127 the up columns at the same
                 // positions (see mma/wgmma_bf16.cuh), so each thread pairs them in registers.
                 const float (&gate)[64] = *reinterpret_cast<const float (*)[64]>(acc);
                 const float (&up)[64] = *reinterpret_cast<const float (*)[64]>(acc + 64);
-                const uint32_t inter = p.n / 2, col = tile.n_begin / 2;
-                __nv_bfloat16* h = p.d + static_cast<uint64_t>(tile.row_begin + row) * p.n + col;
-                epilogue::store_bf16_staged<128>(gate, staging, 1 + wg, h, p.n, num_rows, 128);
-                epilogue::store_bf16_staged<128>(up, staging, 1 + wg, h + inter, p.n, num_rows, 128);
+                const uint32_t inter = p.n / 2, col = tile.n_begin / 2, first_row = tile.row_begin + row;
                 float act[64];
                 #pragma unroll
                 for (uint32_t i = 0; i < 64; ++i)
                     act[i] = epilogue::swiglu(gate[i], up[i]);
-                epilogue::store_bf16_staged<128>(act, staging, 1 + wg,
-                                                 p.d_aux + static_cast<uint64_t>(tile.row_begin + row) * inter + col,
-                                                 inter, num_rows, 128);
+                if (tensor_stores) {
+                    epilogue::store_tile_tma<128, __nv_bfloat16, false>(gate, staging, 1 + wg, &p.tensor_map_d, col,
+                                                                        first_row, 0);
+                    epilogue::store_tile_tma<128, __nv_bfloat16, false>(up, staging, 1 + wg, &p.tensor_map_d,
+                                                                        inter + col, first_row, 0);
+                    epilogue::store_tile_tma<128, __nv_bfloat16, false>(act, staging, 1 + wg, &p.tensor_map_aux, col,
+                                                                        first_row, 0);
+                } else {
+                    __nv_bfloat16* h = p.d + static_cast<uint64_t>(first_row) * p.n + col;
+                    epilogue::store_bf16_staged<128>(gate, staging, 1 + wg, h, p.n, num_rows, 128);
+                    epilogue::store_bf16_staged<128>(up, staging, 1 + wg, h + inter, p.n, num_rows, 128);
+                    epilogue::store_bf16_staged<128>(act, staging, 1 + wg, p.d_aux + static_cast<uint64_t>(first_row) * inter + col,
+                                                     inter, num_rows, 128);
+                }
             } else if constexpr (kSwiGLUBwd) {
                 epilogue::swiglu_bwd_direct<BLOCK_N>(acc, p.d_aux, p.d, p.row_weight, p.row_dw_part, p.n,
                                                      tile.row_begin + row, num_rows, tile.n_begin);
             } else if constexpr (kAsyncStore) {
                 epilogue::store_rows_async<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
-            } else if (kTmaStore and num_rows >= 64) {
+            } else if (tensor_stores) {
                 epilogue::store_tile_tma<BLOCK_N, __nv_bfloat16, false>(acc, staging, 1 + wg, &p.tensor_map_d,
                                                                         tile.n_begin, tile.row_begin + row, 0);
             } else {
-                if constexpr (kTmaStore) {  // the staging may still feed earlier tensor stores
-                    if (threadIdx.x % 128 == 0)
-                        ptx::bulk_wait_group_read<0>();
-                    ptx::named_barrier_sync(1 + wg, 128);
-                }
                 epilogue::store_bf16_staged<BLOCK_N>(acc, staging, 1 + wg, d, p.n, num_rows, p.n - tile.n_begin);
             }
             DG_TRACE(threadIdx.x % 128 == 0 ? 10 + wg : 15, 1 + tile.n_begin);
