@@ -6,7 +6,10 @@
 
 namespace deep_gemm::epilogue {
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+// The approximate division is one MUFU.RCP: an IEEE `1.0f / d` calls a slow-path subroutine
+// whenever d > 2^126 (x < -87), and a warp pays it if any lane does. For such d it returns 0,
+// the sigmoid's limit.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 struct SwiGLUGrad {
     float act, d_gate, d_up;
