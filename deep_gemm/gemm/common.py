@@ -18,8 +18,9 @@ class GemmConfig:
 
     block_n: tile width (the tile is 128 x block_n); num_stages: pipeline depth;
     async_store: epilogue drained by 1-D bulk copies (one per row) overlapping the next tile's
-    MMAs; tma_store: drained by tensor TMA stores (one per 64-column chunk) likewise;
-    smem_bytes: dynamic shared memory the variant needs.
+    MMAs; tma_store: drained by tensor TMA stores (one per 128-byte column chunk) likewise,
+    staged in `store_buffers` buffers per warpgroup; smem_bytes: dynamic shared memory the
+    variant needs.
     """
 
     block_n: int
@@ -27,25 +28,30 @@ class GemmConfig:
     async_store: bool
     smem_bytes: int
     tma_store: bool = False
+    store_buffers: int = 2
 
     @property
     def label(self) -> str:
-        """Short name for tables and test ids: block_n, then `a` (async store) or `t` (TMA store)."""
-        return f"{self.block_n}{'a' if self.async_store else ''}{'t' if self.tma_store else ''}"
+        """Short name for tables and test ids: block_n, then `a` (async store) or `t` (TMA store),
+        then the store buffers when not two (`256t8`)."""
+        buffers = str(self.store_buffers) if self.tma_store and self.store_buffers != 2 else ""
+        return f"{self.block_n}{'a' if self.async_store else ''}{'t' if self.tma_store else ''}{buffers}"
 
 
-def make_config(block_n: int, async_store: bool, epilogue_bytes: int, tma_store: bool = False) -> GemmConfig:
+def make_config(block_n: int, async_store: bool, epilogue_bytes: int, tma_store: bool = False,
+                store_buffers: int = 2) -> GemmConfig:
     """The deepest pipeline that fits next to `epilogue_bytes` of epilogue shared memory."""
     per_stage = (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * 8  # A and B tiles, full and empty barriers
     num_stages = min(MAX_STAGES, (SMEM_LIMIT - epilogue_bytes) // per_stage)
     if num_stages < 2:
         raise ValueError(f"block_n={block_n} with async_store={async_store} does not fit in shared memory")
-    return GemmConfig(block_n, num_stages, async_store, epilogue_bytes + num_stages * per_stage, tma_store)
+    return GemmConfig(block_n, num_stages, async_store, epilogue_bytes + num_stages * per_stage, tma_store,
+                      store_buffers)
 
 
-def swizzled_staging_bytes() -> int:
-    """Mirrors epilogue::SwizzledStaging: two warpgroups x two 64-row x 128-byte buffers."""
-    return 2 * 2 * 64 * 128
+def swizzled_staging_bytes(num_buffers: int = 2) -> int:
+    """Mirrors epilogue::SwizzledStaging: two warpgroups x `num_buffers` 64-row x 128-byte buffers."""
+    return 2 * num_buffers * 64 * 128
 
 
 def row_staging_bytes(block_n: int, elem_bytes: int) -> int:

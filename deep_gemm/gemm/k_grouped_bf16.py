@@ -18,28 +18,40 @@ _OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 
 
 def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: bool = False,
-                          tma_store: bool = False) -> GemmConfig:
+                          tma_store: bool = False, store_buffers: int = 2) -> GemmConfig:
     if tma_store:
         if async_store:
             raise ValueError("tma_store and async_store exclude each other")
-        return make_config(block_n, False, swizzled_staging_bytes(), tma_store=True)
+        return make_config(block_n, False, swizzled_staging_bytes(store_buffers), tma_store=True,
+                           store_buffers=store_buffers)
     staging = row_staging_bytes(block_n, out_dtype.itemsize) if async_store else 0
     return make_config(block_n, async_store, staging)
 
 
 @functools.lru_cache(maxsize=None)
-def get_config(n: int, out_dtype: torch.dtype) -> GemmConfig:
-    """The variant the launcher picks for output width `n` and output dtype: outputs drain
-    through tensor TMA stores that overlap the next tile's MMAs, measured the fastest variant
-    on an H200 for bf16 (5-15% over row bulk copies) and fp32 (5-20% over direct stores, which
-    beat the row bulk copies there)."""
-    return make_k_grouped_config(256 if n > 128 else 128, out_dtype, tma_store=True)
+def get_config(m: int, n: int, out_dtype: torch.dtype) -> GemmConfig:
+    """The variant the launcher picks for a group's output shape `m` x `n` and output dtype:
+    outputs drain through tensor TMA stores that overlap the next tile's MMAs, measured the
+    fastest variant on an H200 for bf16 (5-15% over row bulk copies) and fp32 (5-20% over direct
+    stores). Four staging buffers (one stage fewer) beat two by 2-9% on every standard shape
+    whose groups' outputs hold at least 4M elements, and lose up to 9% below that (30B's
+    1536 x 2048 and 2048 x 768; session 8's sweep, PERF.md)."""
+    block_n = 256 if n > 128 else 128
+    buffers = 4 if m * n >= 4 << 20 and block_n * out_dtype.itemsize // 128 >= 4 else 2
+    return make_k_grouped_config(block_n, out_dtype, tma_store=True, store_buffers=buffers)
 
 
 def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
-    """Every variant a caller may pass as `config` for this output dtype."""
-    return [make_k_grouped_config(block_n, out_dtype, async_store, tma_store) for block_n in _BLOCK_NS
-            for async_store, tma_store in ((False, False), (True, False), (False, True))]
+    """Every variant a caller may pass as `config` for this output dtype: direct, row-copy and
+    tensor stores, the last with 2, 4 or 8 staging buffers (up to one per 128-byte column chunk
+    of the tile)."""
+    configs = []
+    for block_n in _BLOCK_NS:
+        configs += [make_k_grouped_config(block_n, out_dtype), make_k_grouped_config(block_n, out_dtype, True)]
+        num_chunks = block_n * out_dtype.itemsize // 128
+        configs += [make_k_grouped_config(block_n, out_dtype, tma_store=True, store_buffers=buffers)
+                    for buffers in (2, 4, 8) if buffers <= num_chunks]
+    return configs
 
 
 def kernel_config(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
@@ -57,7 +69,8 @@ def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool, gat
     flag = lambda v: str(v).lower()  # noqa: E731
     return build_gemm_kernel("sm90_bf16_k_grouped_gemm.cuh", "KGroupedGemmParams", "sm90_bf16_k_grouped_gemm_impl",
                              [config.block_n, config.num_stages, _OUT_TYPES[out_dtype], flag(accumulate),
-                              flag(config.async_store), flag(config.tma_store), flag(gather_a), flag(gather_b)],
+                              flag(config.async_store), flag(config.tma_store), flag(gather_a), flag(gather_b),
+                              config.store_buffers],
                              config.smem_bytes)
 
 
@@ -125,7 +138,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             d.zero_()
         return
 
-    config = config or get_config(n, d.dtype)
+    config = config or get_config(m, n, d.dtype)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
         _printed.add(key)

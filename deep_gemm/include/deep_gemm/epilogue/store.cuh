@@ -156,44 +156,56 @@ __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2]
     }
 }
 
-// Shared memory one warpgroup needs for `store_tile_tma`: two buffers of 64 rows x 128 bytes
-// (64 bf16 or 32 fp32 columns), in the 128-byte swizzle of the tensor map (1024-byte aligned).
-template <typename OutT>
+// Shared memory one warpgroup needs for `store_tile_tma`: kNumBuffers buffers of 64 rows x 128
+// bytes (64 bf16 or 32 fp32 columns), in the 128-byte swizzle of the tensor map (1024-byte
+// aligned).
+template <typename OutT, uint32_t kNumBuffers = 2>
 struct SwizzledStaging {
     static constexpr uint32_t kChunkN = 128 / sizeof(OutT);
     static constexpr uint32_t kBufferBytes = 64 * 128;
-    static constexpr uint32_t kBytesPerWarpgroup = 2 * kBufferBytes;
+    static constexpr uint32_t kBytesPerWarpgroup = kNumBuffers * kBufferBytes;
 };
 
 // Asynchronous epilogue through tensor stores: each 128-byte-wide column chunk of the
 // warpgroup's 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at
 // once are spread over the banks), then one 3-D TMA store of `desc` at (n, m, g) drains it
 // (a reduce-add with `kAccumulate`, fp32 only); the hardware clips rows and columns past the
-// tensor's ends. The two buffers alternate, so a chunk is written while the previous one
-// drains, and the last stores overlap the next tile's MMAs. Thread 0 of the warpgroup issues
-// the stores: call `store_rows_async_drain` before the kernel exits.
-template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
+// tensor's ends. Chunks go in batches of kNumBuffers / 2, one fence and two barriers each; the
+// two halves of the buffers take batches in turn, so a batch is written while the previous
+// one drains, and the last batch's stores overlap the next tile's MMAs. Thread 0 of the
+// warpgroup issues the stores: call `store_rows_async_drain` before the kernel exits.
+template <uint32_t BLOCK_N, typename OutT, bool kAccumulate, uint32_t kNumBuffers = 2>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging, uint32_t barrier_id,
                                                const CUtensorMap* desc, uint32_t n, uint32_t m, uint32_t g) {
-    using Layout = SwizzledStaging<OutT>;
-    static_assert(BLOCK_N % Layout::kChunkN == 0);
+    using Layout = SwizzledStaging<OutT, kNumBuffers>;
+    constexpr uint32_t kNumChunks = BLOCK_N / Layout::kChunkN, kBatch = kNumBuffers / 2;
+    static_assert(BLOCK_N % Layout::kChunkN == 0 and kNumBuffers % 2 == 0);
+    // Batch b of every tile uses half b % 2: the turn continues across tiles.
+    static_assert(kNumChunks % kNumBuffers == 0, "a tile's chunks fill the buffers a whole number of times");
     static_assert(not kAccumulate or std::is_same_v<OutT, float>, "tensor reduce-add is used for fp32 only");
     const uint32_t thread = threadIdx.x % 128;
 
     #pragma unroll
-    for (uint32_t chunk = 0; chunk < BLOCK_N / Layout::kChunkN; ++chunk) {
-        uint8_t* buffer = staging + (chunk % 2) * Layout::kBufferBytes;
-        if (thread == 0)  // the store that last read this buffer (two chunks ago) is done with it
+    for (uint32_t batch = 0; batch < kNumChunks / kBatch; ++batch) {
+        uint8_t* half = staging + (batch % 2) * kBatch * Layout::kBufferBytes;
+        if (thread == 0)  // one bulk group per batch: the one that last read this half (two back) is done with it
             ptx::bulk_wait_group_read<1>();
         ptx::named_barrier_sync(barrier_id, 128);
 
-        stage_chunk<Layout::kChunkN, OutT>(acc, chunk, [&](uint32_t r, uint32_t byte) {  // byte: within the 128-byte row
-            return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
-        });
-        ptx::fence_view_async_shared();  // the tensor store reads through the async proxy
+        #pragma unroll
+        for (uint32_t i = 0; i < kBatch; ++i) {
+            uint8_t* buffer = half + i * Layout::kBufferBytes;
+            stage_chunk<Layout::kChunkN, OutT>(acc, batch * kBatch + i, [&](uint32_t r, uint32_t byte) {
+                return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;  // byte: within the 128-byte row
+            });
+        }
+        ptx::fence_view_async_shared();  // the tensor stores read through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
         if (thread == 0) {
-            ptx::tma_store_3d<kAccumulate>(desc, buffer, n + chunk * Layout::kChunkN, m, g);
+            #pragma unroll
+            for (uint32_t i = 0; i < kBatch; ++i)
+                ptx::tma_store_3d<kAccumulate>(desc, half + i * Layout::kBufferBytes,
+                                               n + (batch * kBatch + i) * Layout::kChunkN, m, g);
             ptx::bulk_commit_group();
         }
     }

@@ -33,14 +33,17 @@ struct KGroupedGemmParams {
 // kAsyncStore: the epilogue drains through bulk copies (reduce-adds with kAccumulate) that
 // overlap the next tile's MMAs (epilogue::store_rows_async) instead of direct stores.
 // kTmaStore: through one tensor store (fp32: or reduce-add) per 128-byte column chunk instead
-// (epilogue::store_tile_tma); bf16 accumulation is not among its variants.
+// (epilogue::store_tile_tma), staged in kNumStoreBuffers buffers per warpgroup; bf16
+// accumulation is not among its variants. Short groups give tiles of few k-blocks whose
+// output takes longer to write than to compute (fp32 most of all): enough buffers for the
+// whole tile let those writes overlap the next tile's MMAs, at the cost of pipeline stages.
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kTmaStore,
-          bool kGatherA, bool kGatherB>
+          bool kGatherA, bool kGatherB, uint32_t kNumStoreBuffers = 2>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
     constexpr uint32_t BLOCK_M = 128;
     static_assert(not kTmaStore or (not kAsyncStore and (std::is_same_v<OutT, float> or not kAccumulate)));
-    constexpr uint32_t kStagingBytes = kTmaStore   ? epilogue::SwizzledStaging<OutT>::kBytesPerWarpgroup
+    constexpr uint32_t kStagingBytes = kTmaStore   ? epilogue::SwizzledStaging<OutT, kNumStoreBuffers>::kBytesPerWarpgroup
                                        : kAsyncStore ? epilogue::RowStaging<BLOCK_N, OutT>::kBytesPerWarpgroup : 0;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
     using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
@@ -116,20 +119,24 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                 continue;  // an empty group adds nothing
 
             // The last block of a group reads past the group's end (into the next group's
-            // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk.
+            // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk
+            // (its swizzle only permutes the line's 16-byte pieces). Thread t zeroes piece t % 8
+            // of chunk t / 8 % kNumChunks in every kRowsPerPass-th row: no run-time division.
             const uint32_t valid_in_last = num_rows - (num_k_blocks - 1) * BLOCK_K;
             const auto zero_tail = [&](uint32_t stage, uint32_t k_block) {
                 if constexpr (kGather)  // cp.async wrote through the generic proxy; WGMMA reads the async one
                     ptx::fence_view_async_shared();
                 if (k_block + 1 != num_k_blocks or valid_in_last == BLOCK_K)
                     return;
-                constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64;
-                const uint32_t num_bad = BLOCK_K - valid_in_last;
-                for (uint32_t i = threadIdx.x; i < kNumChunks * num_bad * 8; i += kNumMathThreads) {
-                    const uint32_t line = i / 8, chunk = line / num_bad, k_row = valid_in_last + line % num_bad;
-                    uint8_t* tile_base = chunk < BLOCK_M / 64 ? smem.a(stage) + chunk * kMNChunkBytes
-                                                              : smem.b(stage) + (chunk - BLOCK_M / 64) * kMNChunkBytes;
-                    ptx::st_shared_v4(tile_base + k_row * kSwizzleBytes + (i % 8) * 16, make_uint4(0, 0, 0, 0));
+                constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64, kPiecesPerRow = kNumChunks * 8;
+                constexpr uint32_t kRowsPerPass = kNumMathThreads / kPiecesPerRow;
+                const uint32_t chunk = threadIdx.x / 8 % kNumChunks;
+                uint8_t* line = (chunk < BLOCK_M / 64 ? smem.a(stage) + chunk * kMNChunkBytes
+                                                      : smem.b(stage) + (chunk - BLOCK_M / 64) * kMNChunkBytes) +
+                                (threadIdx.x % 8) * 16;
+                if (threadIdx.x < kRowsPerPass * kPiecesPerRow) {
+                    for (uint32_t r = valid_in_last + threadIdx.x / kPiecesPerRow; r < BLOCK_K; r += kRowsPerPass)
+                        ptx::st_shared_v4(line + r * kSwizzleBytes, make_uint4(0, 0, 0, 0));
                 }
                 ptx::fence_view_async_shared();
                 ptx::named_barrier_sync(1, kNumMathThreads);
@@ -142,8 +149,8 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
             const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
             OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + min(row, p.m)) * p.n + tile.n_begin;
             if constexpr (kTmaStore)  // barrier 1 is the zero-fill's; 2 and 3 are per warpgroup
-                epilogue::store_tile_tma<BLOCK_N, OutT, kAccumulate>(acc, staging, 2 + wg, &p.tensor_map_d, tile.n_begin,
-                                                                     row, tile.group);
+                epilogue::store_tile_tma<BLOCK_N, OutT, kAccumulate, kNumStoreBuffers>(acc, staging, 2 + wg, &p.tensor_map_d,
+                                                                                       tile.n_begin, row, tile.group);
             else if constexpr (kAsyncStore)
                 epilogue::store_rows_async<BLOCK_N, OutT, kAccumulate>(acc, staging, 2 + wg, d, p.n, valid_rows, p.n - tile.n_begin);
             else
