@@ -325,9 +325,8 @@ def plot(results, path: str) -> None:
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(shapes))], shapes)
     ax.set_ylabel("fwd + bwd ms (lower is better)")
     ax.set_title(f"MoE layer on {torch.cuda.get_device_name()}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")  # beside the bars, not over them
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"plot written to {path}")
 
 
