@@ -28,6 +28,11 @@ def make_k_grouped_config(block_n: int, out_dtype: torch.dtype, async_store: boo
     return make_config(block_n, async_store, staging)
 
 
+def _num_chunks(block_n: int, out_dtype: torch.dtype) -> int:
+    """128-byte column chunks in a tile's row: the most tensor-store buffers a warpgroup uses."""
+    return block_n * out_dtype.itemsize // 128
+
+
 @functools.lru_cache(maxsize=None)
 def get_config(m: int, n: int, out_dtype: torch.dtype) -> GemmConfig:
     """The variant the launcher picks for a group's output shape `m` x `n` and output dtype:
@@ -37,7 +42,7 @@ def get_config(m: int, n: int, out_dtype: torch.dtype) -> GemmConfig:
     whose groups' outputs hold at least 4M elements, and lose up to 9% below that (30B's
     1536 x 2048 and 2048 x 768; session 8's sweep, PERF.md)."""
     block_n = 256 if n > 128 else 128
-    buffers = 4 if m * n >= 4 << 20 and block_n * out_dtype.itemsize // 128 >= 4 else 2
+    buffers = 4 if m * n >= 4 << 20 and _num_chunks(block_n, out_dtype) >= 4 else 2
     return make_k_grouped_config(block_n, out_dtype, tma_store=True, store_buffers=buffers)
 
 
@@ -48,9 +53,8 @@ def all_configs(out_dtype: torch.dtype) -> list[GemmConfig]:
     configs = []
     for block_n in _BLOCK_NS:
         configs += [make_k_grouped_config(block_n, out_dtype), make_k_grouped_config(block_n, out_dtype, True)]
-        num_chunks = block_n * out_dtype.itemsize // 128
         configs += [make_k_grouped_config(block_n, out_dtype, tma_store=True, store_buffers=buffers)
-                    for buffers in (2, 4, 8) if buffers <= num_chunks]
+                    for buffers in (2, 4, 8) if buffers <= _num_chunks(block_n, out_dtype)]
     return configs
 
 
