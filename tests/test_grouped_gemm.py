@@ -141,6 +141,8 @@ K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfl
 @pytest.mark.parametrize("gather", ["", "a", "b"], ids=["rows", "gathered_rows_a", "gathered_rows_b"])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
 def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
+    if gather == "b" and config.multicast_b:
+        pytest.skip("B multicast loads B's rows by TMA (test_k_grouped_multicast_rejects_gathered_b)")
     sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
@@ -409,6 +411,13 @@ def test_k_grouped_gathers_one_operand_at_most():
     with pytest.raises(ValueError, match="one operand"):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(4, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
                                                     a_row_index=index, b_row_index=index)
+
+
+def test_k_grouped_multicast_rejects_gathered_b():
+    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, multicast_b=True)
+    with pytest.raises(ValueError, match="multicast"):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
+                                                    b_row_index=torch.zeros(8, dtype=torch.int64), config=config)
 
 
 def test_num_sms_cap():
