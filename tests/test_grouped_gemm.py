@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
+from deep_gemm.gemm import common as gemm_common, k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -418,6 +418,44 @@ def test_k_grouped_multicast_rejects_gathered_b():
     with pytest.raises(ValueError, match="multicast"):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
                                                     b_row_index=torch.zeros(8, dtype=torch.int64), config=config)
+
+
+@requires_sm90
+@pytest.mark.parametrize("num_sms", [2, 3, 5])
+def test_k_grouped_multicast_with_few_sms(monkeypatch, num_sms):
+    """Clusters of two CTAs under an SM cap: whole clusters only, every tile still computed."""
+    monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
+    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, store_buffers=4, multicast_b=True)
+    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, config)
+    assert err < FP32_TOL, f"sizes={sizes} err={err}"
+
+
+def test_k_grouped_multicast_needs_tensor_stores():
+    with pytest.raises(ValueError, match="tensor stores"):
+        k_grouped_bf16.make_k_grouped_config(256, torch.float32, multicast_b=True)
+
+
+class _ClusterKernel:  # what grid_size reads of a kernel launched in clusters
+    cluster_size = 2
+
+    def __init__(self, resident: int):
+        self.resident = resident
+
+    def max_resident_blocks(self, device: int) -> int:
+        return self.resident
+
+
+@pytest.mark.parametrize("num_sms,resident,num_tiles,expected", [
+    (132, 132, 1000, 132), (132, 120, 1000, 120), (131, 132, 1000, 130), (132, 132, 5, 10), (3, 132, 1000, 2)])
+def test_grid_size_counts_whole_resident_clusters(monkeypatch, num_sms, resident, num_tiles, expected):
+    monkeypatch.setattr(gemm_common, "get_num_sms", lambda device: num_sms)
+    assert gemm_common.grid_size(_ClusterKernel(resident), num_tiles, 0) == expected
+
+
+def test_grid_size_rejects_a_cluster_wider_than_the_sm_cap(monkeypatch):
+    monkeypatch.setattr(gemm_common, "get_num_sms", lambda device: 1)
+    with pytest.raises(ValueError, match="clusters of 2"):
+        gemm_common.grid_size(_ClusterKernel(132), 10, 0)
 
 
 def test_num_sms_cap():

@@ -79,5 +79,8 @@ def grid_size(kernel: Kernel, num_tiles: int, device: int) -> int:
     cluster = kernel.cluster_size
     num_ctas = min(get_num_sms(device), max(cluster * num_tiles, 1))
     if cluster > 1:
-        num_ctas = max(cluster, min(num_ctas, kernel.max_resident_blocks(device)) // cluster * cluster)
+        num_ctas = min(num_ctas, kernel.max_resident_blocks(device)) // cluster * cluster
+        if num_ctas == 0:
+            raise ValueError(f"a config with clusters of {cluster} CTAs needs {cluster} SMs at once "
+                             f"(set_num_sms: {get_num_sms(device)}); pick a config without B multicast")
     return num_ctas

@@ -138,7 +138,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         raise ValueError("gather the rows of one operand, not both (copy the other first)")
     if config is not None and config not in all_configs(d.dtype):
         raise ValueError(f"unknown config {config} for {d.dtype} output; pick one of all_configs()")
-    if config is not None and config.multicast_b and b_row_index is not None:
+    if config is not None and kernel_config(config, d.dtype, accumulate).multicast_b and b_row_index is not None:
         raise ValueError("a B-multicast config loads B's rows by TMA: gather A's rows instead, or pick another config")
     index = {name: t for name, t in (("a_row_index", a_row_index), ("b_row_index", b_row_index)) if t is not None}
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **index)
