@@ -126,31 +126,21 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         const uint32_t wg = threadIdx.x / 128;
         uint8_t* staging = smem.extra() + wg * kStagingBytes;
         float acc[BLOCK_N / 2];
-        // The next tile's row range is loaded before this tile's epilogue, which hides the latency.
-        typename Scheduler::Tile next;
-        bool more = scheduler.next_unresolved(next);
-        while (more) {
-            tile = next;
-            scheduler.resolve(tile);
+        while (scheduler.next(tile)) {
             const uint32_t num_rows = tile.k_end - tile.k_begin;
             const uint32_t num_k_blocks = ptx::ceil_div(num_rows, BLOCK_K);
-            if (kAccumulate and num_k_blocks == 0) {
-                more = scheduler.next_unresolved(next);
+            if (kAccumulate and num_k_blocks == 0)
                 continue;  // an empty group adds nothing
-            }
 
             // The last block of a group reads past the group's end (into the next group's
-            // rows). Its k16 slices wholly past the end are skipped; the rest of the rows past
-            // the end, up to the next multiple of 16, are zeroed in both tiles. Each K row is
-            // one 128-byte line per chunk (its swizzle only permutes the line's 16-byte pieces).
-            // Thread t zeroes piece t % 8 of chunk t / 8 % kNumChunks in every kRowsPerPass-th
-            // row: no run-time division.
+            // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk
+            // (its swizzle only permutes the line's 16-byte pieces). Thread t zeroes piece t % 8
+            // of chunk t / 8 % kNumChunks in every kRowsPerPass-th row: no run-time division.
             const uint32_t valid_in_last = num_rows - (num_k_blocks - 1) * BLOCK_K;
-            const uint32_t num_k16_last = ptx::ceil_div(valid_in_last, 16u);
             const auto zero_tail = [&](uint32_t stage, uint32_t k_block) {
                 if constexpr (kGather)  // cp.async wrote through the generic proxy; WGMMA reads the async one
                     ptx::fence_view_async_shared();
-                if (k_block + 1 != num_k_blocks or valid_in_last % 16 == 0)
+                if (k_block + 1 != num_k_blocks or valid_in_last == BLOCK_K)
                     return;
                 constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64, kPiecesPerRow = kNumChunks * 8;
                 constexpr uint32_t kRowsPerPass = kNumMathThreads / kPiecesPerRow;
@@ -159,7 +149,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                                                       : smem.b(stage) + (chunk - BLOCK_M / 64) * kMNChunkBytes) +
                                 (threadIdx.x % 8) * 16;
                 if (threadIdx.x < kRowsPerPass * kPiecesPerRow) {
-                    for (uint32_t r = valid_in_last + threadIdx.x / kPiecesPerRow; r < num_k16_last * 16; r += kRowsPerPass)
+                    for (uint32_t r = valid_in_last + threadIdx.x / kPiecesPerRow; r < BLOCK_K; r += kRowsPerPass)
                         ptx::st_shared_v4(line + r * kSwizzleBytes, make_uint4(0, 0, 0, 0));
                 }
                 ptx::fence_view_async_shared();
@@ -168,8 +158,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
 
             zero_accum(acc);
             consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor, kClusterSize>(
-                smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail, num_k16_last);
-            more = scheduler.next_unresolved(next);
+                smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail);
 
             const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
             OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + min(row, p.m)) * p.n + tile.n_begin;

@@ -99,7 +99,7 @@ template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, u
           typename Smem, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
-                                                 const BeforeMMA& before_mma, uint32_t num_k16_last = BLOCK_K / 16) {
+                                                 const BeforeMMA& before_mma) {
     const auto release = [&](uint32_t stage) {
         if constexpr (kClusterSize == 1) {
             smem.empty(stage)->arrive();
@@ -126,19 +126,10 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
         const uint8_t* b_tile = smem.b(pipe.stage);
         warpgroup_fence_operand(acc);
         warpgroup_arrive();
-        const uint32_t num_k16 = k_block + 1 == num_k_blocks ? num_k16_last : BLOCK_K / 16;
-        if (num_k16 == BLOCK_K / 16) {
-            #pragma unroll
-            for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
-                WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
-                    make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
-            }
-        } else {
-            #pragma unroll
-            for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
-                WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
-                    make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true, k < num_k16);
-            }
+        #pragma unroll
+        for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
+            WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
+                make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
         }
         warpgroup_commit_batch();
         warpgroup_fence_operand(acc);

@@ -15,14 +15,12 @@ struct WGMMA<64> {
     static constexpr uint32_t kNumAccum = 32;
 
     template <bool kTransA, bool kTransB>
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[32], bool scale_d,
-                                                  bool enable = true) {
+    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[32], bool scale_d) {
         asm volatile(
             "{\n"
-            ".reg .pred p, q;\n"
+            ".reg .pred p;\n"
             "setp.ne.b32 p, %34, 0;\n"
-            "setp.ne.b32 q, %37, 0;\n"
-            "@q wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -30,7 +28,7 @@ struct WGMMA<64> {
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
             : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(scale_d)),
-              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)), "r"(static_cast<int>(enable)));
+              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)));
     }
 };
 
@@ -39,14 +37,12 @@ struct WGMMA<128> {
     static constexpr uint32_t kNumAccum = 64;
 
     template <bool kTransA, bool kTransB>
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[64], bool scale_d,
-                                                  bool enable = true) {
+    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[64], bool scale_d) {
         asm volatile(
             "{\n"
-            ".reg .pred p, q;\n"
+            ".reg .pred p;\n"
             "setp.ne.b32 p, %66, 0;\n"
-            "setp.ne.b32 q, %69, 0;\n"
-            "@q wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -58,7 +54,7 @@ struct WGMMA<128> {
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
             : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(scale_d)),
-              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)), "r"(static_cast<int>(enable)));
+              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)));
     }
 };
 
@@ -67,14 +63,12 @@ struct WGMMA<192> {
     static constexpr uint32_t kNumAccum = 96;
 
     template <bool kTransA, bool kTransB>
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[96], bool scale_d,
-                                                  bool enable = true) {
+    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[96], bool scale_d) {
         asm volatile(
             "{\n"
-            ".reg .pred p, q;\n"
+            ".reg .pred p;\n"
             "setp.ne.b32 p, %98, 0;\n"
-            "setp.ne.b32 q, %101, 0;\n"
-            "@q wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, %99, %100;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -90,7 +84,7 @@ struct WGMMA<192> {
               "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
               "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
             : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(scale_d)),
-              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)), "r"(static_cast<int>(enable)));
+              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)));
     }
 };
 
@@ -99,14 +93,12 @@ struct WGMMA<256> {
     static constexpr uint32_t kNumAccum = 128;
 
     template <bool kTransA, bool kTransB>
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[128], bool scale_d,
-                                                  bool enable = true) {
+    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[128], bool scale_d) {
         asm volatile(
             "{\n"
-            ".reg .pred p, q;\n"
+            ".reg .pred p;\n"
             "setp.ne.b32 p, %130, 0;\n"
-            "setp.ne.b32 q, %133, 0;\n"
-            "@q wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n"
             "}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -126,7 +118,7 @@ struct WGMMA<256> {
               "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
             : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(scale_d)),
-              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)), "r"(static_cast<int>(enable)));
+              "n"(static_cast<int>(kTransA)), "n"(static_cast<int>(kTransB)));
     }
 };
 

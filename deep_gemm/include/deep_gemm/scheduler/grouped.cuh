@@ -8,13 +8,9 @@
 
 namespace deep_gemm::scheduler {
 
-// An offset as loaded (an int, reinterpreted) clamped to [lo, hi].
-__device__ __forceinline__ uint32_t clamp(uint32_t loaded, uint32_t lo, uint32_t hi) {
-    return min(max(static_cast<uint32_t>(max(static_cast<int>(loaded), 0)), lo), hi);
-}
-
 __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
-    return clamp(static_cast<uint32_t>(__ldg(offsets + i)), lo, hi);
+    const int v = __ldg(offsets + i);
+    return min(max(static_cast<uint32_t>(max(v, 0)), lo), hi);
 }
 
 // Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
@@ -102,9 +98,7 @@ struct KGroupedScheduler {
           num_tiles_per_group(ptx::ceil_div(m, BLOCK_M * kClusterM) * ptx::ceil_div(n, BLOCK_N)),
           num_rows_total(rows), next_tile(blockIdx.x / kClusterM) {}
 
-    // The next tile, its row range [k_begin, k_end) as loaded (unchecked): `resolve` clamps it.
-    // Split so that a caller can hide the loads' latency behind other work.
-    __device__ __forceinline__ bool next_unresolved(Tile& tile) {
+    __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
         next_tile += gridDim.x / kClusterM;
         if (idx >= num_groups * num_tiles_per_group)
@@ -114,20 +108,8 @@ struct KGroupedScheduler {
         const uint32_t m_block = (local / num_n_blocks) * kClusterM + (kClusterM > 1 ? ptx::cluster_cta_rank() : 0);
         tile.m_begin = m_block * BLOCK_M;
         tile.n_begin = (local % num_n_blocks) * BLOCK_N;
-        tile.k_begin = __ldg(offsets + tile.group);
-        tile.k_end = __ldg(offsets + tile.group + 1);
-        return true;
-    }
-
-    __device__ __forceinline__ void resolve(Tile& tile) const {
-        tile.k_begin = clamp(tile.k_begin, 0, num_rows_total);
-        tile.k_end = clamp(tile.k_end, tile.k_begin, num_rows_total);
-    }
-
-    __device__ __forceinline__ bool next(Tile& tile) {
-        if (not next_unresolved(tile))
-            return false;
-        resolve(tile);
+        tile.k_begin = clamped_offset(offsets, tile.group, 0, num_rows_total);
+        tile.k_end = clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
         return true;
     }
 };
