@@ -10,9 +10,9 @@ GEMMs of one MoE layer's training step:
     dgrad2 dy @ l2[e]         m-grouped nn   N = I,  K = H
     wgrad1 dz.T @ x           k-grouped tn   [E, 2I, H]
     wgrad2 dy.T @ a           k-grouped tn   [E, H, I]
-Both sides write bf16. "wgrad1 fp32" times our fp32 weight-gradient output against torch's
-bf16 GEMM plus the copy into an fp32 tensor (torch's grouped GEMM has no fp32 output); the
-"wgrad1" row of the same run has torch's bf16 GEMM alone.
+Both sides write bf16. "wgrad1 fp32" and "wgrad2 fp32" time our fp32 weight-gradient output
+against torch's bf16 GEMM plus the copy into an fp32 tensor (torch's grouped GEMM has no fp32
+output); the "wgrad1" and "wgrad2" rows of the same run have torch's bf16 GEMM alone.
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
 torch's interleaved in rounds so clock drift hits both alike.
 
@@ -182,7 +182,8 @@ def main() -> None:
         hidden, inter, experts, topk, tokens = MODELS[model]
         for routing in args.routing.split(","):
             sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
-            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden)]
+            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden),
+                                                 ("wgrad2 fp32", "tn32", hidden, inter)]
             for label, kind, d1, d2 in cases:
                 if args.only and label not in args.only.split(","):
                     continue

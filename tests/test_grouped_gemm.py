@@ -430,6 +430,27 @@ def test_k_grouped_multicast_with_few_sms(monkeypatch, num_sms):
     assert err < FP32_TOL, f"sizes={sizes} err={err}"
 
 
+@requires_sm90
+@pytest.mark.parametrize("num_sms,gather", [(1, ""), (132, "b"), (1, "b")])
+def test_k_grouped_default_config_without_multicast(monkeypatch, num_sms, gather):
+    """The default (B multicast for fp32) falls back to single CTAs where clusters can't run:
+    one SM allowed, or B's rows gathered."""
+    monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
+    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, None, gather)
+    assert err < FP32_TOL, f"sizes={sizes} err={err}"
+
+
+@pytest.mark.parametrize("m,n,dtype,multicast,expected", [
+    (4096, 7168, torch.float32, True, "256tm"), (1536, 2048, torch.float32, True, "256tm"),
+    (3072, 4096, torch.bfloat16, True, "256tm"), (1536, 2048, torch.bfloat16, True, "256t"),
+    (4096, 7168, torch.float32, False, "256t4"), (3072, 4096, torch.bfloat16, False, "256t4"),
+    (1536, 2048, torch.float32, False, "256t"), (2048, 128, torch.float32, True, "128t")])
+def test_k_grouped_default_config(m, n, dtype, multicast, expected):
+    """Measured choices (PERF.md): B multicast for fp32 and for large bf16 outputs, else four
+    staging buffers from 4M output elements on."""
+    assert k_grouped_bf16.get_config(m, n, dtype, multicast).label == expected
+
+
 def test_k_grouped_multicast_needs_tensor_stores():
     with pytest.raises(ValueError, match="tensor stores"):
         k_grouped_bf16.make_k_grouped_config(256, torch.float32, multicast_b=True)

@@ -8,7 +8,7 @@ import torch
 
 from ..jit.runtime import pack_params
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc
-from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor,
+from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
                      print_configs_enabled)
 from .common import (BLOCK_K, BLOCK_M, GemmConfig, build_gemm_kernel, grid_size, make_config,
                      row_staging_bytes, swizzled_staging_bytes)
@@ -36,15 +36,22 @@ def _num_chunks(block_n: int, out_dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def get_config(m: int, n: int, out_dtype: torch.dtype) -> GemmConfig:
-    """The variant the launcher picks for a group's output shape `m` x `n` and output dtype:
-    outputs drain through tensor TMA stores that overlap the next tile's MMAs, measured the
-    fastest variant on an H200 for bf16 (5-15% over row bulk copies) and fp32 (5-20% over direct
-    stores). Four staging buffers (one stage fewer) beat two by 2-9% on every standard shape
-    whose groups' outputs hold at least 4M elements, and lose up to 9% below that (30B's
-    1536 x 2048 and 2048 x 768; session 8's sweep, PERF.md)."""
+def get_config(m: int, n: int, out_dtype: torch.dtype, multicast_b: bool = True) -> GemmConfig:
+    """The variant the launcher picks for a group's output shape `m` x `n` and output dtype;
+    `multicast_b=False` where the call rules out clusters sharing B (B's rows gathered, or
+    fewer than two SMs). Outputs drain through tensor TMA stores that overlap the next tile's
+    MMAs, measured the fastest variant on an H200 for bf16 (5-15% over row bulk copies) and fp32
+    (5-20% over direct stores). With 256-wide tiles, B multicast in 2-CTA clusters (`256tm`)
+    measured 2-8% faster than the best unclustered variant for fp32 on every standard shape but
+    DeepSeek-V3 with uniform routing (4% slower), and level (within 2%) for bf16 where a group's
+    output holds at least 4M elements (235B, V3); 7% slower for bf16 below that (30B). Without
+    multicast, four staging buffers (one stage fewer) beat two by 2-9% from 4M elements on and
+    lose up to 9% below (session 8's and 9's sweeps, PERF.md)."""
     block_n = 256 if n > 128 else 128
-    buffers = 4 if m * n >= 4 << 20 and _num_chunks(block_n, out_dtype) >= 4 else 2
+    large = m * n >= 4 << 20
+    if block_n == 256 and multicast_b and (out_dtype == torch.float32 or large):
+        return make_k_grouped_config(block_n, out_dtype, tma_store=True, multicast_b=True)
+    buffers = 4 if large and _num_chunks(block_n, out_dtype) >= 4 else 2
     return make_k_grouped_config(block_n, out_dtype, tma_store=True, store_buffers=buffers)
 
 
@@ -108,7 +115,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
         b_row_index: optional int64 ``[R]``, the same for B (`b` is then ``[T', N]``); at most
             one of the two.
         config: force a kernel variant (one of
-            `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default picks by N.
+            `deep_gemm.gemm.k_grouped_bf16.all_configs(d.dtype)`); the default is `get_config`'s.
 
     Requires M and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
@@ -149,7 +156,7 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             d.zero_()
         return
 
-    config = config or get_config(m, n, d.dtype)
+    config = config or get_config(m, n, d.dtype, multicast_b=b_row_index is None and get_num_sms(device.index) >= 2)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
         _printed.add(key)
