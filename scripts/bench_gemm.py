@@ -10,7 +10,9 @@ GEMMs of one MoE layer's training step:
     dgrad2 dy @ l2[e]         m-grouped nn   N = I,  K = H
     wgrad1 dz.T @ x           k-grouped tn   [E, 2I, H]
     wgrad2 dy.T @ a           k-grouped tn   [E, H, I]
-Both sides write bf16 (fp32 weight-gradient output is timed separately, "wgrad fp32").
+Both sides write bf16. "wgrad1 fp32" and "wgrad2 fp32" time our fp32 weight-gradient output
+against torch's bf16 GEMM plus the copy into an fp32 tensor (torch's grouped GEMM has no fp32
+output); the "wgrad1" and "wgrad2" rows of the same run have torch's bf16 GEMM alone.
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
 torch's interleaved in rounds so clock drift hits both alike.
 
@@ -103,7 +105,11 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
         ours = lambda config=None: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, config=config)  # noqa: E731
         configs = k_grouped_bf16.all_configs(out_dtype)
         a_t = a.t()
-        theirs = lambda: torch._grouped_mm(a_t, b, offs=ends)  # noqa: E731
+        if out_dtype == torch.bfloat16:
+            theirs = lambda: torch._grouped_mm(a_t, b, offs=ends)  # noqa: E731
+        else:  # torch's grouped GEMM has no fp32 output: its bf16 one, copied into an fp32 gradient
+            d_torch = torch.empty_like(d)
+            theirs = lambda: d_torch.copy_(torch._grouped_mm(a_t, b, offs=ends))  # noqa: E731
         flops = 2 * rows * m * n
     ours()
     try:
@@ -176,7 +182,8 @@ def main() -> None:
         hidden, inter, experts, topk, tokens = MODELS[model]
         for routing in args.routing.split(","):
             sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
-            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden)]
+            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden),
+                                                 ("wgrad2 fp32", "tn32", hidden, inter)]
             for label, kind, d1, d2 in cases:
                 if args.only and label not in args.only.split(","):
                     continue

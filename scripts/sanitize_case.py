@@ -43,7 +43,7 @@ for pass_range in ((1, 2), (0, 1)):  # one pass per launch
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):
-        for a_index, b_index in ((None, None), (index, None), (None, index)):
+        for a_index, b_index in ((None, None), (index, None)) + (() if config.multicast_b else ((None, index),)):
             for accumulate in (False, True):
                 deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=accumulate, a_row_index=a_index,
                                                             b_row_index=b_index, config=config)

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
+from deep_gemm.gemm import common as gemm_common, k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -141,6 +141,8 @@ K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfl
 @pytest.mark.parametrize("gather", ["", "a", "b"], ids=["rows", "gathered_rows_a", "gathered_rows_b"])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
 def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
+    if gather == "b" and config.multicast_b:
+        pytest.skip("B multicast loads B's rows by TMA (test_k_grouped_multicast_rejects_gathered_b)")
     sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
@@ -409,6 +411,72 @@ def test_k_grouped_gathers_one_operand_at_most():
     with pytest.raises(ValueError, match="one operand"):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(4, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
                                                     a_row_index=index, b_row_index=index)
+
+
+def test_k_grouped_multicast_rejects_gathered_b():
+    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, multicast_b=True)
+    with pytest.raises(ValueError, match="multicast"):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
+                                                    b_row_index=torch.zeros(8, dtype=torch.int64), config=config)
+
+
+@requires_sm90
+@pytest.mark.parametrize("num_sms", [2, 3, 5])
+def test_k_grouped_multicast_with_few_sms(monkeypatch, num_sms):
+    """Clusters of two CTAs under an SM cap: whole clusters only, every tile still computed."""
+    monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
+    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, store_buffers=4, multicast_b=True)
+    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, config)
+    assert err < FP32_TOL, f"sizes={sizes} err={err}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("num_sms,gather", [(1, ""), (132, "b"), (1, "b")])
+def test_k_grouped_default_config_without_multicast(monkeypatch, num_sms, gather):
+    """The default (B multicast for fp32) falls back to single CTAs where clusters can't run:
+    one SM allowed, or B's rows gathered."""
+    monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
+    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, None, gather)
+    assert err < FP32_TOL, f"sizes={sizes} err={err}"
+
+
+@pytest.mark.parametrize("m,n,dtype,multicast,expected", [
+    (4096, 7168, torch.float32, True, "256tm"), (1536, 2048, torch.float32, True, "256tm"),
+    (3072, 4096, torch.bfloat16, True, "256tm"), (1536, 2048, torch.bfloat16, True, "256t"),
+    (4096, 7168, torch.float32, False, "256t4"), (3072, 4096, torch.bfloat16, False, "256t4"),
+    (1536, 2048, torch.float32, False, "256t"), (2048, 128, torch.float32, True, "128t")])
+def test_k_grouped_default_config(m, n, dtype, multicast, expected):
+    """Measured choices (PERF.md): B multicast for fp32 and for large bf16 outputs, else four
+    staging buffers from 4M output elements on."""
+    assert k_grouped_bf16.get_config(m, n, dtype, multicast).label == expected
+
+
+def test_k_grouped_multicast_needs_tensor_stores():
+    with pytest.raises(ValueError, match="tensor stores"):
+        k_grouped_bf16.make_k_grouped_config(256, torch.float32, multicast_b=True)
+
+
+class _ClusterKernel:  # what grid_size reads of a kernel launched in clusters
+    cluster_size = 2
+
+    def __init__(self, resident: int):
+        self.resident = resident
+
+    def max_resident_blocks(self, device: int) -> int:
+        return self.resident
+
+
+@pytest.mark.parametrize("num_sms,resident,num_tiles,expected", [
+    (132, 132, 1000, 132), (132, 120, 1000, 120), (131, 132, 1000, 130), (132, 132, 5, 10), (3, 132, 1000, 2)])
+def test_grid_size_counts_whole_resident_clusters(monkeypatch, num_sms, resident, num_tiles, expected):
+    monkeypatch.setattr(gemm_common, "get_num_sms", lambda device: num_sms)
+    assert gemm_common.grid_size(_ClusterKernel(resident), num_tiles, 0) == expected
+
+
+def test_grid_size_rejects_a_cluster_wider_than_the_sm_cap(monkeypatch):
+    monkeypatch.setattr(gemm_common, "get_num_sms", lambda device: 1)
+    with pytest.raises(ValueError, match="clusters of 2"):
+        gemm_common.grid_size(_ClusterKernel(132), 10, 0)
 
 
 def test_num_sms_cap():

@@ -45,7 +45,7 @@ def all_kernels():
     for dtype in (torch.float32, torch.bfloat16):
         for config in k_grouped_bf16.all_configs(dtype):
             for accumulate in (False, True):
-                for gather in ("", "a", "b"):  # which operand's rows are gathered
+                for gather in ("", "a") if config.multicast_b else ("", "a", "b"):  # which operand's rows are gathered
                     out.append((f"k_grouped_{config.label}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
                                 f"{'_gather_' + gather if gather else ''}",
                                 lambda c=config, t=dtype, a=accumulate, g=gather:

@@ -90,15 +90,19 @@ def stream_write_u32(address: int, value: int, device: int) -> None:
 
 
 class Kernel:
-    """A compiled kernel (entry `entry`), loaded once per device on first launch."""
+    """A compiled kernel (entry `entry`), loaded once per device on first launch; with
+    `cluster_size` > 1 launched in thread-block clusters of that many CTAs along x."""
 
-    def __init__(self, name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel"):
+    def __init__(self, name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel",
+                 cluster_size: int = 1):
         self.name, self.entry = name, entry
         self.num_threads = num_threads
         self.smem_bytes = smem_bytes
+        self.cluster_size = cluster_size
         self.cubin = compile_cubin(name, source)
         self._functions: dict[int, object] = {}
         self._configs: dict[tuple[int, int], cu.CUlaunchConfig] = {}
+        self._max_resident: dict[int, int] = {}
 
     def _function(self, device: int):
         fn = self._functions.get(device)
@@ -113,12 +117,23 @@ class Kernel:
         return fn
 
     def launch(self, params: bytes, num_blocks: int, device: int) -> None:
-        """Launches `num_blocks` CTAs on the current stream of `device` with `params`."""
+        """Launches `num_blocks` CTAs (a multiple of the cluster size) on the current stream of
+        `device` with `params`."""
         with OnDevice(device):
             self._launch(params, num_blocks, device)
 
-    def _launch(self, params: bytes, num_blocks: int, device: int) -> None:
-        fn = self._function(device)
+    def max_resident_blocks(self, device: int) -> int:
+        """How many CTAs of this kernel fit on the device at once, counted in whole clusters
+        (a cluster must fit in one GPC, so with clusters this can be below one CTA per SM)."""
+        count = self._max_resident.get(device)
+        if count is None:
+            with OnDevice(device):
+                config = self._config(device, self.cluster_size)
+                count = self.cluster_size * check(cu.cuOccupancyMaxActiveClusters(self._function(device), config))
+            self._max_resident[device] = count
+        return count
+
+    def _config(self, device: int, num_blocks: int) -> cu.CUlaunchConfig:
         config = self._configs.get((device, num_blocks))
         if config is None:
             config = cu.CUlaunchConfig()
@@ -126,7 +141,17 @@ class Kernel:
             config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
             config.sharedMemBytes = self.smem_bytes
             config.numAttrs = 0
+            if self.cluster_size > 1:
+                attr = cu.CUlaunchAttribute()
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = self.cluster_size, 1, 1
+                config.attrs, config.numAttrs = [attr], 1
             self._configs[(device, num_blocks)] = config
+        return config
+
+    def _launch(self, params: bytes, num_blocks: int, device: int) -> None:
+        fn = self._function(device)
+        config = self._config(device, num_blocks)
         config.hStream = _current_raw_stream(device)
         buffer = ctypes.create_string_buffer(params, len(params))
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
@@ -158,17 +183,18 @@ def _attach_trace(module) -> None:
 _kernels: dict[tuple[str, str], Kernel] = {}
 
 
-def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel") -> Kernel:
+def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int, entry: str = "kernel",
+               cluster_size: int = 1) -> Kernel:
     """The kernel for `source`, compiled (or read from the disk cache) once per process."""
     key = (name, source)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[key] = Kernel(name, source, num_threads, smem_bytes, entry)
+        kernel = _kernels[key] = Kernel(name, source, num_threads, smem_bytes, entry, cluster_size)
     return kernel
 
 
 def build_kernel(header: str, params_type: str, impl: str, template_args: list, num_threads: int,
-                 smem_bytes: int) -> Kernel:
+                 smem_bytes: int, cluster_size: int = 1) -> Kernel:
     """The kernel whose `extern "C"` entry runs ``deep_gemm::impl<template_args>(params)``,
     `impl` coming from ``deep_gemm/impls/<header>``; compiled once (disk-cached). The entry is
     named after `impl`, so that profilers tell the kernels apart."""
@@ -182,7 +208,7 @@ def build_kernel(header: str, params_type: str, impl: str, template_args: list, 
         f"    deep_gemm::{impl}<{args}>(p);\n"
         f"}}\n")
     name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
-    return get_kernel(name, source, num_threads, smem_bytes, entry)
+    return get_kernel(name, source, num_threads, smem_bytes, entry, cluster_size)
 
 
 def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:

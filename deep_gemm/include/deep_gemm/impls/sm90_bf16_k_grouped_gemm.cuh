@@ -5,7 +5,10 @@
 // Both operands are MN-major. Persistent and warp-specialised like the M-grouped kernel.
 // With kGatherA (kGatherB), row r of A (B) is row a_row_index[r] (b_row_index[r]) of the
 // source matrix, gathered with cp.async by the whole producer warpgroup; the other operand
-// still comes by TMA.
+// still comes by TMA. With kMulticastB, CTAs run in clusters of two that take two M blocks at
+// the same N block: each loads half of B's tile and multicasts it to both, a third less L2
+// traffic per tile (groups of a few hundred rows make tiles of a few k-blocks, whose loads
+// start to outrun the MMAs).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <type_traits>
@@ -38,21 +41,23 @@ struct KGroupedGemmParams {
 // while the next tile computes, at the cost of pipeline stages: short groups (tiles of few
 // k-blocks, fp32 most of all) measured fastest with 4 (half an fp32 tile, three stages).
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename OutT, bool kAccumulate, bool kAsyncStore, bool kTmaStore,
-          bool kGatherA, bool kGatherB, uint32_t kNumStoreBuffers = 2>
+          bool kGatherA, bool kGatherB, uint32_t kNumStoreBuffers = 2, bool kMulticastB = false>
 __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemmParams& p) {
     using namespace mma;
-    constexpr uint32_t BLOCK_M = 128;
+    constexpr uint32_t BLOCK_M = 128, kClusterSize = kMulticastB ? 2 : 1;
+    static_assert(not (kMulticastB and kGatherB), "B's rows come by TMA to be multicast");
     static_assert(not kTmaStore or (not kAsyncStore and (std::is_same_v<OutT, float> or not kAccumulate)));
     constexpr uint32_t kStagingBytes = kTmaStore   ? epilogue::SwizzledStaging<OutT, kNumStoreBuffers>::kBytesPerWarpgroup
                                        : kAsyncStore ? epilogue::RowStaging<BLOCK_N, OutT>::kBytesPerWarpgroup : 0;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * kStagingBytes>;
-    using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
+    using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N, kClusterSize>;
 
     extern __shared__ __align__(1024) uint8_t smem_buffer[];
     const Smem smem{smem_buffer};
 
     constexpr bool kGather = kGatherA or kGatherB;
-    start_gemm<kGather>(smem, &p.tensor_map_a, &p.tensor_map_b);
+    start_gemm<kGather, kClusterSize>(smem, &p.tensor_map_a, &p.tensor_map_b);
+    const uint32_t cta_rank = kMulticastB ? ptx::cluster_cta_rank() : 0;
 
     Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
     typename Scheduler::Tile tile;
@@ -62,8 +67,10 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         ptx::warpgroup_reg_dealloc<kProducerRegs>();
         DG_TRACE(5, 1);
         const uint32_t t = threadIdx.x - kNumMathThreads;
-        if (not kGather and t != 0)
+        if (not kGather and t != 0) {  // idle, but present for the cluster's last sync
+            finish_gemm<kClusterSize>();
             return;
+        }
         constexpr uint32_t kTxBytes = (kGatherA ? 0 : Smem::kBytesA) + (kGatherB ? 0 : Smem::kBytesB);
         using GatherA = ptx::MNMajorRowGather<BLOCK_M, kMNChunkBytes>;
         using GatherB = ptx::MNMajorRowGather<BLOCK_N, kMNChunkBytes>;
@@ -94,10 +101,17 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                     if (t != 0)
                         return;
                 }
-                if constexpr (not kGatherB) {
+                if constexpr (not kGatherB) {  // with kMulticastB, CTA r loads the boxes j with j % 2 == r for both
                     #pragma unroll
-                    for (uint32_t j = 0; j < BLOCK_N / 64; ++j)
-                        ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
+                    for (uint32_t j = 0; j < BLOCK_N / 64; ++j) {
+                        if constexpr (kMulticastB) {
+                            if (j % 2 == cta_rank)
+                                ptx::tma_load_2d_multicast(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar,
+                                                           tile.n_begin + j * 64, k, 0b11);
+                        } else {
+                            ptx::tma_load_2d(smem.b(stage) + j * kMNChunkBytes, &p.tensor_map_b, bar, tile.n_begin + j * 64, k);
+                        }
+                    }
                 }
                 if constexpr (not kGatherA) {
                     #pragma unroll
@@ -143,7 +157,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
             };
 
             zero_accum(acc);
-            consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor>(
+            consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor, kClusterSize>(
                 smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail);
 
             const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
@@ -160,6 +174,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
         if constexpr (kAsyncStore or kTmaStore)
             epilogue::store_rows_async_drain();
     }
+    finish_gemm<kClusterSize>();
 }
 
 }  // namespace deep_gemm

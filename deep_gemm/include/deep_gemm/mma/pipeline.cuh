@@ -49,21 +49,23 @@ struct GemmSmem {
     __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return full(kNumStages + stage); }
 
     // Thread 0 only: full barriers complete on the TMA bytes and the producer's arrival (plus
-    // one cp.async arrival per gathering thread), empty ones on both math warpgroups.
-    __device__ __forceinline__ void init_barriers(uint32_t num_gather_threads) const {
+    // one cp.async arrival per gathering thread), empty ones on both math warpgroups of each
+    // of the `num_ctas` CTAs whose loads fill this CTA's stages (a cluster sharing B).
+    __device__ __forceinline__ void init_barriers(uint32_t num_gather_threads, uint32_t num_ctas) const {
         #pragma unroll
         for (uint32_t s = 0; s < kNumStages; ++s) {
             full(s)->init(1 + num_gather_threads);
-            empty(s)->init(kNumMathThreads / 128);
+            empty(s)->init(kNumMathThreads / 128 * num_ctas);
         }
         ptx::fence_barrier_init();
     }
 };
 
 // Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
-// initialises the barriers, and the CTA syncs before any role touches them. With `kGather`,
-// the whole producer warpgroup gathers rows with cp.async (see produce_k_blocks).
-template <bool kGather, typename Smem>
+// initialises the barriers, and the CTA (the cluster, with kClusterSize > 1) syncs before any
+// role touches them. With `kGather`, the whole producer warpgroup gathers rows with cp.async
+// (see produce_k_blocks).
+template <bool kGather, uint32_t kClusterSize = 1, typename Smem>
 __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,
                                            const CUtensorMap* tensor_map_b) {
     if (threadIdx.x == kNumMathThreads) {
@@ -71,19 +73,42 @@ __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* 
         ptx::prefetch_tma_descriptor(tensor_map_b);
     }
     if (threadIdx.x == 0)
-        smem.init_barriers(kGather ? kNumProducerThreads : 0);
-    __syncthreads();
+        smem.init_barriers(kGather ? kNumProducerThreads : 0, kClusterSize);
+    if constexpr (kClusterSize > 1)
+        ptx::cluster_sync();
+    else
+        __syncthreads();
     DG_TRACE(4, 1);
+}
+
+// Every thread's last step with kClusterSize > 1: no CTA leaves while another may still load
+// into its shared memory or arrive on its barriers.
+template <uint32_t kClusterSize>
+__device__ __forceinline__ void finish_gemm() {
+    if constexpr (kClusterSize > 1)
+        ptx::cluster_sync();
 }
 
 // One math warpgroup's mainloop over `num_k_blocks` stages into `acc` (64 x BLOCK_N).
 // `a_offset` selects the warpgroup's 64 rows inside the A tile. `before_mma(stage, k_block)`
 // runs after the stage has landed and before any MMA reads it. The MMAs of block k stay in
 // flight while block k+1 is issued; a stage is released once the MMAs reading it are done.
-template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, typename Smem, typename BeforeMMA>
+// With kClusterSize > 1 the stage is released in every CTA of the cluster (their producers
+// multicast into this CTA's stages).
+template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, uint32_t kClusterSize = 1,
+          typename Smem, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                  const BeforeMMA& before_mma) {
+    const auto release = [&](uint32_t stage) {
+        if constexpr (kClusterSize == 1) {
+            smem.empty(stage)->arrive();
+        } else {
+            #pragma unroll
+            for (uint32_t cta = 0; cta < kClusterSize; ++cta)
+                smem.empty(stage)->arrive_in_cta(cta);
+        }
+    };
     // One thread per warpgroup releases stages. (No warp shuffle here: a shuffle reached by
     // one lane only, e.g. behind a short-circuit, deadlocks the warp.)
     const bool releases = threadIdx.x % 128 == 0;
@@ -112,13 +137,13 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
         warpgroup_wait<1>();
         DG_TRACE(kTraceSlot, 3000 + k_block);
         if (k_block > 0 and releases)
-            smem.empty(prev_stage)->arrive();
+            release(prev_stage);
         prev_stage = pipe.stage;
         pipe.template advance<kNumStages>();
     }
     warpgroup_wait<0>();
     if (num_k_blocks > 0 and releases)
-        smem.empty(prev_stage)->arrive();
+        release(prev_stage);
 }
 
 // The producer's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`

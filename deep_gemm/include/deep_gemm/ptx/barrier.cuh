@@ -16,6 +16,16 @@ struct alignas(8) MBarrier {
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(this)) : "memory");
     }
 
+    // Arrive on the barrier at this one's address in CTA `cta` of the cluster (this CTA's own
+    // included). The default (CTA-scope) release: a cluster-scope one costs a GPU-wide fence
+    // per arrive, and what must precede the arrive (WGMMA reads of the stage) is ordered by
+    // wgmma.wait_group already.
+    __device__ __forceinline__ void arrive_in_cta(uint32_t cta) {
+        uint32_t remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(this)), "r"(cta));
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" :: "r"(remote) : "memory");
+    }
+
     // Arrive and announce the bytes the TMA engine will deliver into this phase.
     __device__ __forceinline__ void arrive_and_expect_tx(uint32_t bytes) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"

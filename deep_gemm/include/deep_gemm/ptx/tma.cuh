@@ -22,6 +22,18 @@ __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* desc,
         : "memory");
 }
 
+// `tma_load_2d` into the same shared-memory offset of every CTA of the cluster named in
+// `cta_mask`; each destination CTA's barrier at `bar`'s offset gets the bytes it received.
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem, const CUtensorMap* desc, MBarrier* bar,
+                                                      int32_t inner, int32_t outer, uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;\n"
+        :: "r"(smem_addr(smem)), "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)),
+           "r"(inner), "r"(outer), "h"(cta_mask)
+        : "memory");
+}
+
 // 1-D bulk copy of `bytes` (a multiple of 16) from shared to global memory, or with
 // `kReduceAdd` an element-wise `dst += src` done by the memory system (fp32 or bf16).
 // Completion is tracked per thread with bulk groups (`bulk_commit_group`, `bulk_wait_*`).

@@ -67,6 +67,20 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return out;
 }
 
+// This CTA's rank in its thread-block cluster.
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA of the cluster: what each did before is visible to all after
+// (shared memory of the cluster included). Not `.aligned`: threads of a warp may reach it apart.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n"
+                 "barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 

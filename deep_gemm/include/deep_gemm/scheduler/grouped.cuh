@@ -78,8 +78,11 @@ struct MGroupedScheduler {
 
 // Weight-gradient style: every group produces a full M x N output, contracting over its own
 // rows [offsets[g], offsets[g+1]) of A and B. Tiles are ordered by group so that CTAs running
-// at the same time read the same rows.
-template <uint32_t BLOCK_M, uint32_t BLOCK_N>
+// at the same time read the same rows. With kClusterM > 1, a cluster of kClusterM CTAs
+// (consecutive blockIdx.x) walks the tiles together: its CTAs take kClusterM consecutive M
+// blocks at the same N block, so that they share (multicast) B's tile; an M block past M still
+// loads and multiplies (its share of B feeds the others), its rows are clipped at the store.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kClusterM = 1>
 struct KGroupedScheduler {
     struct Tile {
         uint32_t group, m_begin, n_begin, k_begin, k_end;
@@ -92,17 +95,18 @@ struct KGroupedScheduler {
     __device__ __forceinline__ KGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t m, uint32_t n,
                                                  uint32_t rows)
         : offsets(offsets), num_groups(num_groups), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
-          num_tiles_per_group(ptx::ceil_div(m, BLOCK_M) * ptx::ceil_div(n, BLOCK_N)),
-          num_rows_total(rows), next_tile(blockIdx.x) {}
+          num_tiles_per_group(ptx::ceil_div(m, BLOCK_M * kClusterM) * ptx::ceil_div(n, BLOCK_N)),
+          num_rows_total(rows), next_tile(blockIdx.x / kClusterM) {}
 
     __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
-        next_tile += gridDim.x;
+        next_tile += gridDim.x / kClusterM;
         if (idx >= num_groups * num_tiles_per_group)
             return false;
         tile.group = idx / num_tiles_per_group;
         const uint32_t local = idx % num_tiles_per_group;
-        tile.m_begin = (local / num_n_blocks) * BLOCK_M;
+        const uint32_t m_block = (local / num_n_blocks) * kClusterM + (kClusterM > 1 ? ptx::cluster_cta_rank() : 0);
+        tile.m_begin = m_block * BLOCK_M;
         tile.n_begin = (local % num_n_blocks) * BLOCK_N;
         tile.k_begin = clamped_offset(offsets, tile.group, 0, num_rows_total);
         tile.k_end = clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
