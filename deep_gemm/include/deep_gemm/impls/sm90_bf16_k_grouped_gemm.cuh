@@ -133,14 +133,17 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                 continue;  // an empty group adds nothing
 
             // The last block of a group reads past the group's end (into the next group's
-            // rows): zero those K rows of both tiles. Each K row is one 128-byte line per chunk
-            // (its swizzle only permutes the line's 16-byte pieces). Thread t zeroes piece t % 8
-            // of chunk t / 8 % kNumChunks in every kRowsPerPass-th row: no run-time division.
+            // rows). Its k16 slices wholly past the end are skipped; the rows past the end in
+            // the slice that holds it are zeroed in both tiles. Each K row is one 128-byte line
+            // per chunk (its swizzle only permutes the line's 16-byte pieces). Thread t zeroes
+            // piece t % 8 of chunk t / 8 % kNumChunks in every kRowsPerPass-th row: no run-time
+            // division.
             const uint32_t valid_in_last = num_rows - (num_k_blocks - 1) * BLOCK_K;
+            const uint32_t num_k16_last = ptx::ceil_div(valid_in_last, 16u);
             const auto zero_tail = [&](uint32_t stage, uint32_t k_block) {
                 if constexpr (kGather)  // cp.async wrote through the generic proxy; WGMMA reads the async one
                     ptx::fence_view_async_shared();
-                if (k_block + 1 != num_k_blocks or valid_in_last == BLOCK_K)
+                if (k_block + 1 != num_k_blocks or valid_in_last % 16 == 0)
                     return;
                 constexpr uint32_t kNumChunks = (BLOCK_M + BLOCK_N) / 64, kPiecesPerRow = kNumChunks * 8;
                 constexpr uint32_t kRowsPerPass = kNumMathThreads / kPiecesPerRow;
@@ -149,7 +152,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
                                                       : smem.b(stage) + (chunk - BLOCK_M / 64) * kMNChunkBytes) +
                                 (threadIdx.x % 8) * 16;
                 if (threadIdx.x < kRowsPerPass * kPiecesPerRow) {
-                    for (uint32_t r = valid_in_last + threadIdx.x / kPiecesPerRow; r < BLOCK_K; r += kRowsPerPass)
+                    for (uint32_t r = valid_in_last + threadIdx.x / kPiecesPerRow; r < num_k16_last * 16; r += kRowsPerPass)
                         ptx::st_shared_v4(line + r * kSwizzleBytes, make_uint4(0, 0, 0, 0));
                 }
                 ptx::fence_view_async_shared();
@@ -158,7 +161,7 @@ __device__ __forceinline__ void sm90_bf16_k_grouped_gemm_impl(const KGroupedGemm
 
             zero_accum(acc);
             consume_k_blocks<BLOCK_N, kNumStages, Major::kMNMajor, Major::kMNMajor, kClusterSize>(
-                smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail);
+                smem, pipe, num_k_blocks, wg * kMNChunkBytes, acc, zero_tail, num_k16_last);
 
             const uint32_t row = tile.m_begin + wg * 64, valid_rows = row < p.m ? p.m - row : 0;
             OutT* d = static_cast<OutT*>(p.d) + (static_cast<uint64_t>(tile.group) * p.m + min(row, p.m)) * p.n + tile.n_begin;

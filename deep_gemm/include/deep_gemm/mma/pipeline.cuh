@@ -89,17 +89,29 @@ __device__ __forceinline__ void finish_gemm() {
         ptx::cluster_sync();
 }
 
+// The first `kNumK16` k16 slices of a stage's MMAs into `acc`.
+template <uint32_t BLOCK_N, uint32_t kNumK16, Major kMajorA, Major kMajorB>
+__device__ __forceinline__ void issue_mmas(const uint8_t* a_tile, const uint8_t* b_tile, float (&acc)[BLOCK_N / 2]) {
+    #pragma unroll
+    for (uint32_t k = 0; k < kNumK16; ++k) {
+        WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
+            make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
+    }
+}
+
 // One math warpgroup's mainloop over `num_k_blocks` stages into `acc` (64 x BLOCK_N).
 // `a_offset` selects the warpgroup's 64 rows inside the A tile. `before_mma(stage, k_block)`
-// runs after the stage has landed and before any MMA reads it. The MMAs of block k stay in
-// flight while block k+1 is issued; a stage is released once the MMAs reading it are done.
-// With kClusterSize > 1 the stage is released in every CTA of the cluster (their producers
-// multicast into this CTA's stages).
+// runs after the stage has landed and before any MMA reads it. The last block issues only its
+// first `num_k16_last` k16 slices (1-4: the rest lie past a ragged group's end); it runs
+// outside the loop, so that the loop's blocks stay one straight chain of MMAs. The MMAs of
+// block k stay in flight while block k+1 is issued; a stage is released once the MMAs reading
+// it are done. With kClusterSize > 1 the stage is released in every CTA of the cluster (their
+// producers multicast into this CTA's stages).
 template <uint32_t BLOCK_N, uint32_t kNumStages, Major kMajorA, Major kMajorB, uint32_t kClusterSize = 1,
           typename Smem, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  uint32_t a_offset, float (&acc)[BLOCK_N / 2],
-                                                 const BeforeMMA& before_mma) {
+                                                 const BeforeMMA& before_mma, uint32_t num_k16_last = BLOCK_K / 16) {
     const auto release = [&](uint32_t stage) {
         if constexpr (kClusterSize == 1) {
             smem.empty(stage)->arrive();
@@ -116,21 +128,15 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
     const uint32_t kTraceSlot = threadIdx.x % 128 == 0 ? 1 + threadIdx.x / 128 : 15;  // 15: scratch
 #endif
     uint32_t prev_stage = 0;
-    for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+    const auto consume = [&](uint32_t k_block, const auto& issue) {
         DG_TRACE(kTraceSlot, 1000 + k_block);
         smem.full(pipe.stage)->wait(pipe.phase);
         DG_TRACE(kTraceSlot, 2000 + k_block);
         before_mma(pipe.stage, k_block);
 
-        const uint8_t* a_tile = smem.a(pipe.stage) + a_offset;
-        const uint8_t* b_tile = smem.b(pipe.stage);
         warpgroup_fence_operand(acc);
         warpgroup_arrive();
-        #pragma unroll
-        for (uint32_t k = 0; k < BLOCK_K / 16; ++k) {
-            WGMMA<BLOCK_N>::template mma<kMajorA == Major::kMNMajor, kMajorB == Major::kMNMajor>(
-                make_operand_desc<kMajorA>(a_tile, k), make_operand_desc<kMajorB>(b_tile, k), acc, true);
-        }
+        issue(smem.a(pipe.stage) + a_offset, smem.b(pipe.stage));
         warpgroup_commit_batch();
         warpgroup_fence_operand(acc);
 
@@ -140,6 +146,21 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
             release(prev_stage);
         prev_stage = pipe.stage;
         pipe.template advance<kNumStages>();
+    };
+    for (uint32_t k_block = 0; k_block + 1 < num_k_blocks; ++k_block) {
+        consume(k_block, [&](const uint8_t* a, const uint8_t* b) {
+            issue_mmas<BLOCK_N, BLOCK_K / 16, kMajorA, kMajorB>(a, b, acc);
+        });
+    }
+    if (num_k_blocks > 0) {
+        consume(num_k_blocks - 1, [&](const uint8_t* a, const uint8_t* b) {
+            switch (num_k16_last) {
+                case 1: issue_mmas<BLOCK_N, 1, kMajorA, kMajorB>(a, b, acc); break;
+                case 2: issue_mmas<BLOCK_N, 2, kMajorA, kMajorB>(a, b, acc); break;
+                case 3: issue_mmas<BLOCK_N, 3, kMajorA, kMajorB>(a, b, acc); break;
+                default: issue_mmas<BLOCK_N, BLOCK_K / 16, kMajorA, kMajorB>(a, b, acc); break;
+            }
+        });
     }
     warpgroup_wait<0>();
     if (num_k_blocks > 0 and releases)
