@@ -6,24 +6,29 @@ needs no GPU.
 from .gemm import (
     k_grouped_bf16_gemm_tn_contiguous,
     m_grouped_bf16_gemm_nn_contiguous,
-    m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
 )
 from .moe import bf16_mega_moe
-from .moe.symm import get_symm_buffer_for_mega_moe
 from .utils import get_num_sms, set_num_sms
 
-# The backward and the autograd layer live in the sibling package `megamoe_bwd`, which builds
-# on this one. This hook re-exports them lazily, so deep_gemm's own modules never import it.
-_REEXPORTS = {"mega_moe_backward", "mega_moe", "MegaMoE"}
+# The backward, the autograd layer and expert parallelism live in the sibling package
+# `megamoe_bwd`, which builds on this one. This hook re-exports them lazily, so deep_gemm's own
+# modules never import it (an upstream DeepGEMM checkout gets the same hook from patches/).
+_REEXPORTS = {
+    "mega_moe_backward": "megamoe_bwd",
+    "mega_moe": "megamoe_bwd",
+    "MegaMoE": "megamoe_bwd",
+    "get_symm_buffer_for_mega_moe": "megamoe_bwd.ep",
+}
 
 
 def __getattr__(name: str):
     if name in _REEXPORTS:
-        import megamoe_bwd
-        return getattr(megamoe_bwd, name)
+        import importlib
+        return getattr(importlib.import_module(_REEXPORTS[name]), name)
     raise AttributeError(f"module 'deep_gemm' has no attribute {name!r}")
+
 
 __all__ = [
     "bf16_mega_moe",
@@ -36,6 +41,5 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_contiguous",
     "m_grouped_bf16_gemm_nn_contiguous",
     "m_grouped_bf16_gemm_nt_swiglu_contiguous",
-    "m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
 ]

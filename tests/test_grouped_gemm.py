@@ -107,17 +107,11 @@ def test_m_grouped(spec, n, k, nn, config, gather):
     assert untouched, "rows outside every group were written"
 
 
-def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: str = ""):
+def _run_k_grouped(spec, m, n, out_dtype, accumulate, config):
     sizes = _sizes(spec)
     rows = sum(sizes)
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    a_source, a_index = a, None
-    b_source, b_index = b, None
-    if gather == "a":
-        a_source, a_index, a = _gathered(rows, m)
-    elif gather == "b":
-        b_source, b_index, b = _gathered(rows, n)
     offsets = offsets_from_sizes(sizes)
     ref = torch.stack([a[s:e].float().T @ b[s:e].float() for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
     if accumulate:
@@ -125,8 +119,7 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather: str = ""):
         ref += d.float()
     else:
         d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
-    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a_source, b_source, d, offsets, accumulate=accumulate,
-                                                a_row_index=a_index, b_row_index=b_index, config=config)
+    deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets, accumulate=accumulate, config=config)
     torch.cuda.synchronize()
     return sizes, relative_error(d, ref)
 
@@ -138,21 +131,17 @@ K_VARIANTS = [(dtype, accumulate, config) for dtype in (torch.float32, torch.bfl
 @requires_sm90
 @pytest.mark.parametrize("out_dtype,accumulate,config", K_VARIANTS,
                          ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}_{_config_id(c)}" for t, a, c in K_VARIANTS])
-@pytest.mark.parametrize("gather", ["", "a", "b"], ids=["rows", "gathered_rows_a", "gathered_rows_b"])
 @pytest.mark.parametrize("spec,m,n", K_GROUPED_CASES)
-def test_k_grouped(spec, m, n, out_dtype, accumulate, config, gather):
-    if gather == "b" and config.multicast_b:
-        pytest.skip("B multicast loads B's rows by TMA (test_k_grouped_multicast_rejects_gathered_b)")
-    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config, gather)
+def test_k_grouped(spec, m, n, out_dtype, accumulate, config):
+    sizes, err = _run_k_grouped(spec, m, n, out_dtype, accumulate, config)
     tol = FP32_TOL if out_dtype == torch.float32 else BF16_TOL
     assert err < tol, f"sizes={sizes[:8]}... err={err}"
 
 
 @requires_sm90
-@pytest.mark.parametrize("config", m_grouped_bf16.SWIGLU_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
 @pytest.mark.parametrize("sizes,inter,k", [([0, 1, 127, 300, 1000], 128, 512), ("uniform", 768, 2048), ([5000], 256, 72)])
-def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather, config):
+def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather):
     sizes = _sizes(sizes)
     m = sum(sizes) + 3
     source = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -161,8 +150,7 @@ def test_m_grouped_swiglu_epilogue(sizes, inter, k, gather, config):
     b = torch.randn(len(sizes), 2 * inter, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     h = torch.full((m, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
     act = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, h, act, offsets_from_sizes(sizes), a_row_index=index,
-                                                        config=config)
+    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(source, b, h, act, offsets_from_sizes(sizes), a_row_index=index)
     torch.cuda.synchronize()
     rows = sum(sizes)
     ref_h = _ref_m_grouped(a, b, sizes, False)
@@ -215,8 +203,7 @@ def test_m_grouped_passes(num_passes, swiglu):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config", [m_grouped_bf16.make_m_grouped_config(256),
-                                    m_grouped_bf16.make_m_grouped_config(256, tma_store=True)], ids=_config_id)
+@pytest.mark.parametrize("config", M_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("b_mn_major", [False, True], ids=["nt", "nn"])
 @pytest.mark.parametrize("num_passes", [2, 4])
 def test_m_grouped_pass_range_computes_those_passes_only(num_passes, b_mn_major, config):
@@ -375,9 +362,6 @@ def test_row_index_must_be_int64():
     with pytest.raises(TypeError, match="a_row_index must have dtype"):
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(_bf16(8, 64), _bf16(1, 32, 64), _bf16(8, 32), _offs(8),
                                                     a_row_index=torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(ValueError, match="same number of rows"):
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(3, 32), torch.zeros(1, 64, 32), _offs(8),
-                                                    b_row_index=torch.zeros(9, dtype=torch.int64))
 
 
 def test_swiglu_epilogue_shapes():
@@ -406,37 +390,22 @@ def test_k_grouped_rejects_bad_input(args, error, match):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(*args)
 
 
-def test_k_grouped_gathers_one_operand_at_most():
-    index = torch.zeros(8, dtype=torch.int64)
-    with pytest.raises(ValueError, match="one operand"):
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(4, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
-                                                    a_row_index=index, b_row_index=index)
-
-
-def test_k_grouped_multicast_rejects_gathered_b():
-    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, multicast_b=True)
-    with pytest.raises(ValueError, match="multicast"):
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), _bf16(4, 32), torch.zeros(1, 64, 32), _offs(8),
-                                                    b_row_index=torch.zeros(8, dtype=torch.int64), config=config)
-
-
 @requires_sm90
 @pytest.mark.parametrize("num_sms", [2, 3, 5])
 def test_k_grouped_multicast_with_few_sms(monkeypatch, num_sms):
     """Clusters of two CTAs under an SM cap: whole clusters only, every tile still computed."""
     monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
-    config = k_grouped_bf16.make_k_grouped_config(256, torch.float32, tma_store=True, store_buffers=4, multicast_b=True)
+    config = k_grouped_bf16.make_k_grouped_config(256, multicast_b=True)
     sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, config)
     assert err < FP32_TOL, f"sizes={sizes} err={err}"
 
 
 @requires_sm90
-@pytest.mark.parametrize("num_sms,gather", [(1, ""), (132, "b"), (1, "b")])
-def test_k_grouped_default_config_without_multicast(monkeypatch, num_sms, gather):
+def test_k_grouped_default_config_without_multicast(monkeypatch):
     """The default (B multicast for fp32) falls back to single CTAs where clusters can't run:
-    one SM allowed, or B's rows gathered."""
-    monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
-    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, None, gather)
+    one SM allowed."""
+    monkeypatch.setattr(deep_gemm.utils, "_num_sms", 1)
+    sizes, err = _run_k_grouped([37, 0, 500, 300], 384, 512, torch.float32, False, None)
     assert err < FP32_TOL, f"sizes={sizes} err={err}"
 
 
@@ -449,11 +418,6 @@ def test_k_grouped_default_config(m, n, dtype, multicast, expected):
     """Measured choices (PERF.md): B multicast for fp32 and for large bf16 outputs, else four
     staging buffers from 4M output elements on."""
     assert k_grouped_bf16.get_config(m, n, dtype, multicast).label == expected
-
-
-def test_k_grouped_multicast_needs_tensor_stores():
-    with pytest.raises(ValueError, match="tensor stores"):
-        k_grouped_bf16.make_k_grouped_config(256, torch.float32, multicast_b=True)
 
 
 class _ClusterKernel:  # what grid_size reads of a kernel launched in clusters

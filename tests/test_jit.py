@@ -1,21 +1,22 @@
-"""The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills, and
-the disk cache returns a compiled kernel without recompiling. Needs nvcc, not a GPU."""
+"""The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills, its
+parameter struct and shared memory match what the launcher packs and asks for (or it does not
+compile), and the disk cache returns a compiled kernel without recompiling. Needs nvcc, not a GPU."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
-from deep_gemm.moe import glue  # noqa: E402
-from deep_gemm.jit import compile_cubin  # noqa: E402
+from deep_gemm.gemm import m_grouped_bf16  # noqa: E402
+from deep_gemm.jit import CompileError, compile_cubin  # noqa: E402
 from deep_gemm.jit.compiler import cache_key, nvcc_path  # noqa: E402
+from deep_gemm.jit.params import ParamsStruct  # noqa: E402
+from deep_gemm.jit.runtime import build_kernel  # noqa: E402
+from deep_gemm.precompile import all_kernels, resource_report  # noqa: E402
 
 try:
     nvcc_path()
@@ -23,44 +24,6 @@ try:
 except Exception:
     HAS_NVCC = False
 requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
-
-
-def all_kernels():
-    """(label, builder) for every variant the launchers can choose."""
-    out = []
-    for config in m_grouped_bf16.all_configs():
-        for mn_major in (False, True):
-            for gather in (False, True):
-                out.append((f"m_grouped_{'nn' if mn_major else 'nt'}_{config.label}{'_gather' if gather else ''}",
-                            lambda c=config, mn=mn_major, g=gather: m_grouped_bf16.get_kernel(c, mn, g)))
-    for config in m_grouped_bf16.SWIGLU_CONFIGS:
-        for gather in (False, True):
-            out.append((f"m_grouped_nt_swiglu_{config.label}{'_gather' if gather else ''}",
-                        lambda c=config, g=gather: m_grouped_bf16.get_kernel(c, False, g, True)))
-    for block_n in (128, 256):  # the SwiGLU-backward epilogue: get_swiglu_bwd_config(N)
-        for gather in (False, True):
-            out.append((f"m_grouped_nn_swiglu_bwd_{block_n}{'_gather' if gather else ''}",
-                        lambda b=block_n, g=gather: m_grouped_bf16.get_kernel(
-                            m_grouped_bf16.make_m_grouped_config(b), True, g, False, True)))
-    for dtype in (torch.float32, torch.bfloat16):
-        for config in k_grouped_bf16.all_configs(dtype):
-            for accumulate in (False, True):
-                for gather in ("", "a") if config.multicast_b else ("", "a", "b"):  # which operand's rows are gathered
-                    out.append((f"k_grouped_{config.label}_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}"
-                                f"{'_gather_' + gather if gather else ''}",
-                                lambda c=config, t=dtype, a=accumulate, g=gather:
-                                k_grouped_bf16.get_kernel(c, t, a, g == "a", g == "b")))
-    out += glue.all_kernels()
-    return out
-
-
-def resource_report(kernel) -> dict:
-    log = (kernel.cubin.parent / "ptxas.log").read_text()
-    return {
-        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-        "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill", log)),
-        "stack_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes stack frame", log)),
-    }
 
 
 @requires_nvcc
@@ -112,9 +75,39 @@ def test_ptxas_check_rejects_spills(tmp_path, monkeypatch):
     # A runtime-indexed local array must live in local memory (a stack frame).
     source = ('extern "C" __global__ void kernel(int* x, int i) {\n'
               '    int buf[64];\n    for (int j = 0; j < 64; ++j) buf[x[j] & 63] = j;\n    x[0] = buf[i & 63];\n}\n')
-    from deep_gemm.jit import CompileError
     with pytest.raises(CompileError, match="local memory"):
         compile_cubin("stack", source)
+
+
+def test_params_struct_lays_fields_out_as_cpp_does():
+    params = ParamsStruct("Example", [("n", "u32"), ("map", "tensor_map"), ("ptr", "ptr"), ("k", "u32")])
+    assert params.offsets == {"n": 0, "map": 128, "ptr": 256, "k": 264}
+    assert params.size == 384  # rounded up to the tensor map's 128-byte alignment
+    data = params.pack(n=7, map=bytes(range(128)), ptr=2**40 + 3, k=9)
+    assert data[:4] == (7).to_bytes(4, "little") and data[128:256] == bytes(range(128))
+    assert data[256:264] == (2**40 + 3).to_bytes(8, "little") and data[264:268] == (9).to_bytes(4, "little")
+    with pytest.raises(TypeError, match="missing fields \\['k'\\]"):
+        params.pack(n=7, map=bytes(128), ptr=0)
+
+
+@requires_nvcc
+def test_a_launcher_that_disagrees_with_the_kernel_does_not_compile(tmp_path, monkeypatch):
+    """The JIT asserts the parameter struct's layout and the shared-memory size in the kernel's
+    source: a launcher whose idea of either is wrong gets a compile error, not a bad launch."""
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    config = m_grouped_bf16.get_config(256)
+    kernel_type = (f"deep_gemm::Sm90BF16MGroupedGemm<256, {config.num_stages}, deep_gemm::mma::Major::kKMajor, "
+                   "deep_gemm::producer::TmaRows, deep_gemm::epilogue::BF16TensorStore<256>>")
+    fields = list(m_grouped_bf16.PARAMS.offsets.items())
+    swapped = ParamsStruct(m_grouped_bf16.PARAMS.cpp_name,
+                           [(name, m_grouped_bf16.PARAMS.kinds[name]) for name, _ in fields[:4]]
+                           + [("act", "ptr"), ("d", "ptr")]
+                           + [(name, m_grouped_bf16.PARAMS.kinds[name]) for name, _ in fields[6:]])
+    header, entry = "sm90_bf16_m_grouped_gemm.cuh", "dg_sm90_bf16_m_grouped_gemm"
+    with pytest.raises(CompileError, match="the launcher packs it at"):
+        build_kernel(header, entry, kernel_type, swapped, 384, config.smem_bytes)
+    with pytest.raises(CompileError, match="dynamic shared memory"):
+        build_kernel(header, entry, kernel_type, m_grouped_bf16.PARAMS, 384, config.smem_bytes - 1024)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-import deep_gemm.moe.forward as moe_forward_module  # noqa: E402
-import megamoe_bwd.backward as moe_backward_module  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
-from emulated_kernels import patch_kernels  # noqa: E402
+from emulated_kernels import PAIRS, patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, grouped_mm_moe, mega_moe, mega_moe_backward  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
 
-ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac)
+ORCHESTRATION_CASES = [  # (T, H, I, E, K, routing, empty_slot_frac); I = 64: SwiGLU after GEMM1, not in it
     (1, 64, 64, 4, 1, "uniform", 0.0),
     (7, 64, 64, 4, 2, "uniform", 0.3),
     (64, 128, 64, 8, 4, "skewed", 0.0),
@@ -45,12 +43,8 @@ def emulated_gemms(monkeypatch):
     patch_kernels(monkeypatch.setattr)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_gather_swiglu", "separate_passes"])
 @pytest.mark.parametrize("T,H,I,E,K,routing,empty", ORCHESTRATION_CASES)
-def test_orchestration_matches_reference(emulated_gemms, monkeypatch, T, H, I, E, K, routing, empty, fused):
-    monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused, "backward": fused})
-    monkeypatch.setattr(moe_forward_module, "FUSED_SWIGLU", fused)
-    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", fused)
+def test_orchestration_matches_reference(emulated_gemms, T, H, I, E, K, routing, empty):
     p = make_moe_inputs(T, H, I, E, K, dtype=torch.float64, routing=routing, empty_slot_frac=empty)
     p["topk_weights"] = p["topk_weights"].double()  # fp32 values: the layout keeps weights in fp32
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
@@ -81,19 +75,99 @@ def test_backward_consumes_its_handle_unless_kept(emulated_gemms):
         mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values at an address one element past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# (what is wrong, how the arguments of mega_moe_backward become so, the exception)
+BAD_BACKWARD_ARGS = [
+    ("no handle", lambda a: a.update(handle=None), TypeError),
+    ("dy's dtype", lambda a: a.update(dy=a["dy"].half()), TypeError),
+    ("dy's shape", lambda a: a.update(dy=a["dy"][:-1]), ValueError),
+    ("dy elsewhere", lambda a: a.update(dy=torch.empty_like(a["dy"], device="meta")), ValueError),
+    ("l1 with fewer experts", lambda a: a.update(l1=a["l1"][:-1]), ValueError),
+    ("l1 with another I", lambda a: a.update(l1=a["l1"][:, :-64].contiguous()), ValueError),
+    ("l2 with another I", lambda a: a.update(l2=a["l2"][:, :, :-64].contiguous()), ValueError),
+    ("l1's dtype", lambda a: a.update(l1=a["l1"].half()), TypeError),
+    ("l2 not contiguous", lambda a: a.update(l2=_non_contiguous(a["l2"])), ValueError),
+    ("l2 misaligned", lambda a: a.update(l2=_misaligned(a["l2"])), ValueError),
+    ("dl1's dtype", lambda a: a.update(dl1=a["dl1"].half()), TypeError),
+    ("dl2's shape", lambda a: a.update(dl2=a["dl2"][:, :-8]), ValueError),
+    ("dl1 not contiguous", lambda a: a.update(dl1=_non_contiguous(a["dl1"])), ValueError),
+    ("dl2 misaligned", lambda a: a.update(dl2=_misaligned(a["dl2"])), ValueError),
+    ("dl1 elsewhere", lambda a: a.update(dl1=torch.empty_like(a["dl1"], device="meta")), ValueError),
+    ("weight_grad_dtype", lambda a: a.update(weight_grad_dtype=torch.float16), TypeError),
+    ("keep_handle", lambda a: a.update(keep_handle="yes"), TypeError),
+]
+
+
+def _backward_problem(device: str) -> dict:
+    """A forward's handle and the arguments of a correct backward that accumulates into
+    existing dl1, dl2: float64 with the emulated kernels on a CPU, bf16 (fp32 gradients) on a GPU."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    p = make_moe_inputs(33, 128, 128, 8, 4, dtype=dtype, device=device, routing="skewed", empty_slot_frac=0.2)
+    if device == "cpu":
+        layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
+        handle = MegaMoEHandle(layout, p["x"], moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"],
+                                                            torch.empty_like(p["x"])))
+    else:
+        _, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+    grad_dtype = torch.float64 if device == "cpu" else torch.float32
+    return dict(dy=p["dy"], l1=p["l1"], l2=p["l2"], handle=handle, weight_grad_dtype=grad_dtype, keep_handle=False,
+                dl1=torch.randn(p["l1"].shape, dtype=grad_dtype, device=device),
+                dl2=torch.randn(p["l2"].shape, dtype=grad_dtype, device=device))
+
+
+def _call_backward(args: dict):
+    args = dict(args)
+    return mega_moe_backward(args.pop("dy"), args.pop("l1"), args.pop("l2"), args.pop("handle"), **args)
+
+
+def _state(args: dict) -> list:
+    """Copies of everything a backward could change: the handle's tensors and every tensor argument."""
+    handle = args["handle"] if isinstance(args["handle"], MegaMoEHandle) else None
+    tensors = [t for t in args.values() if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    if handle is not None:
+        layout = handle.layout
+        tensors += [handle.x, handle.h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row,
+                    layout.slot_valid]
+    return [(t, t.clone()) for t in tensors]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_sm90)])
+@pytest.mark.parametrize("what,make_bad,error", BAD_BACKWARD_ARGS, ids=[b[0] for b in BAD_BACKWARD_ARGS])
+def test_a_rejected_backward_changes_nothing_and_a_corrected_retry_is_right(request, device, what, make_bad, error):
+    if device == "cpu":
+        request.getfixturevalue("emulated_gemms")
+    good = _backward_problem(device)
+    kept = dict(good, handle=MegaMoEHandle(good["handle"].layout, good["handle"].x, good["handle"].h.clone()),
+                dl1=good["dl1"].clone(), dl2=good["dl2"].clone())
+    expected = _call_backward(kept)  # the same backward, on copies, never rejected
+    bad = dict(good)
+    make_bad(bad)
+    h = good["handle"].h
+    before = _state(good) + _state(bad)
+    with pytest.raises(error):
+        _call_backward(bad)
+    assert good["handle"].h is h, "the handle was consumed"
+    for t, copy in before:  # (rows no kernel writes hold NaN in the emulations)
+        assert torch.equal(t, copy) or torch.allclose(t, copy, rtol=0, atol=0, equal_nan=True), \
+            "a rejected call changed a tensor"
+    retried = _call_backward(good)
+    for name, a, b in zip(("dx", "dtopk_weights", "dl1", "dl2"), retried, expected):
+        assert torch.equal(a, b), name
+    assert retried[2] is good["dl1"] and retried[3] is good["dl2"], "gradients accumulate into the given tensors"
+
+
 def test_emulations_take_the_kernels_arguments():
     # The CPU tests swap the kernels for emulations; a signature drift would hide GPU-only bugs.
     import inspect
-    import deep_gemm.moe.glue as glue
-    pairs = [(glue.moe_combine_bf16, emulate.moe_combine), (glue.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
-             (glue.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd), (glue.moe_gather_rows_bf16, emulate.moe_gather_rows),
-             (glue.ep_wait_flags, emulate.ep_wait_flags),
-             (deep_gemm.m_grouped_bf16_gemm_nt_contiguous, emulate.m_grouped_gemm_nt),
-             (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
-             (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
-             (deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous, emulate.m_grouped_gemm_nn_swiglu_bwd),
-             (deep_gemm.k_grouped_bf16_gemm_tn_contiguous, emulate.k_grouped_gemm_tn)]
-    for kernel, emulation in pairs:
+    for kernel, emulation in PAIRS:
         real, emulated = inspect.signature(kernel).parameters, inspect.signature(emulation).parameters
         takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in emulated.values())
         for name, param in real.items():
@@ -202,32 +276,16 @@ def _accuracy(T, H, I, E, K, routing, empty):
 
 
 @requires_sm90
-@pytest.mark.parametrize("fused_gather", [False, True], ids=["rows_copied", "rows_gathered"])
 @pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty, fused_gather):
-    monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused_gather, "backward": fused_gather})
+def test_accuracy_bar(label, T, H, I, E, K, routing, empty):
     for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
         assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
 
 
 @requires_sm90
-@pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gathered_rows_equal_copied_rows(monkeypatch, label, T, H, I, E, K, routing, empty):
-    """Gathering rows inside the GEMM loads is exact: bitwise the results of copying them first."""
-    p = make_moe_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", routing=routing, empty_slot_frac=empty)
-    results = []
-    for fused_gather in (False, True):
-        monkeypatch.setattr(moe_forward_module, "GATHER_ROWS", {"forward": fused_gather, "backward": fused_gather})
-        y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
-        results.append((y, *mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)))
-    for name, copied, gathered in zip(("y", "dx", "dtopk_weights", "dl1", "dl2"), *results):
-        assert torch.equal(copied, gathered), name
-
-
-@requires_sm90
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_kernel(weighted):
-    from deep_gemm.moe.glue import moe_combine_bf16
+    from deep_gemm.moe.kernels import moe_combine_bf16
     topk_idx = make_moe_inputs(1000, 64, 64, 16, 6, device="cuda", empty_slot_frac=0.2)["topk_idx"]
     weights = torch.rand(1000, 6, device="cuda")
     layout = build_routing_layout(topk_idx, weights, 16)
@@ -243,7 +301,7 @@ def test_combine_kernel(weighted):
 @requires_sm90
 def test_combine_adds_partial_sums_of_other_gpus():
     """out[t] = weighted sum over t's slots + sum_j addend[j, t] (addend blocks may be longer than T)."""
-    from deep_gemm.moe.glue import moe_combine_bf16
+    from deep_gemm.moe.kernels import moe_combine_bf16
     T, H, J = 300, 512, 3
     topk_idx = make_moe_inputs(T, 64, 64, 16, 4, device="cuda", empty_slot_frac=0.2)["topk_idx"]
     weights = torch.rand(T, 4, device="cuda")
@@ -264,7 +322,7 @@ def test_wait_flags_orders_what_follows_after_the_landed_rows():
     as another GPU's would be) after a sleep and sets the flags, the later block first. One
     thread waits: a kernel queued on another stream after it (the sleep) still runs."""
     from deep_gemm.jit.runtime import stream_write_u32
-    from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16
+    from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16
     T, H, J = 300, 256, 2
     layout = build_routing_layout(make_moe_inputs(T, 64, 64, 16, 4, device="cuda")["topk_idx"],
                                   torch.rand(T, 4, device="cuda"), 16)
@@ -295,7 +353,7 @@ def test_wait_flags_orders_what_follows_after_the_landed_rows():
 
 @requires_sm90
 def test_combine_and_wait_reject_bad_input():
-    from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16
+    from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16
     layout = build_routing_layout(torch.tensor([[0, 1]], device="cuda"), torch.ones(1, 2, device="cuda"), 2)
     rows, out = (torch.zeros(n, 8, device="cuda", dtype=torch.bfloat16) for n in (2, 1))
     with pytest.raises(ValueError, match="addend must be"):
@@ -314,14 +372,14 @@ def _routed_layout(T=600, K=6, E=16, empty=0.2):
 
 @requires_sm90
 def test_swiglu_kernels():
-    from deep_gemm.moe.glue import moe_swiglu_bwd_bf16, moe_swiglu_fwd_bf16
+    from deep_gemm.moe.kernels import moe_swiglu_bwd_bf16, moe_swiglu_fwd_bf16
     layout = _routed_layout()
     routed = int(layout.offsets[-1])
     h = torch.randn(layout.num_slots, 2 * 768, device="cuda", dtype=torch.bfloat16)
     d_act = torch.randn(layout.num_slots, 768, device="cuda", dtype=torch.bfloat16)
-    act = moe_swiglu_fwd_bf16(h, layout)
+    act = moe_swiglu_fwd_bf16(h, layout.offsets)
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    ref_act = emulate.moe_swiglu_fwd(h.double(), layout)
+    ref_act = emulate.moe_swiglu_fwd(h.double(), layout.offsets)
     ref_dz, ref_act_weighted, ref_dw = emulate.moe_swiglu_bwd(h.double(), d_act.double(), layout)
     assert relative_error(act[:routed], ref_act[:routed]) < 4e-3
     assert relative_error(act_weighted[:routed], ref_act_weighted[:routed]) < 4e-3
@@ -336,46 +394,8 @@ def test_swiglu_kernels():
 
 
 @requires_sm90
-@pytest.mark.parametrize("I", [768, 320])  # 3 full 256-wide tiles; 128-wide tiles with a ragged last one
-@pytest.mark.parametrize("gather", [False, True])
-def test_swiglu_bwd_epilogue_matches_the_separate_pass(I, gather):
-    """dA's GEMM with the SwiGLU backward in its epilogue gives what the GEMM, then the pass over
-    bf16 dA, gives (the epilogue works from fp32 dA, so within rounding, not bitwise)."""
-    from deep_gemm.moe.glue import moe_gather_rows_bf16, moe_swiglu_bwd_bf16
-    T, H, E, K = 700, 512, 16, 6
-    p = make_moe_inputs(T, H, I, E, K, device="cuda", routing="skewed", empty_slot_frac=0.2)
-    layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
-    routed = int(layout.offsets[-1])
-    a, index = (p["dy"], layout.row_token) if gather else (moe_gather_rows_bf16(p["dy"], layout), None)
-    h = torch.randn(T * K, 2 * I, device="cuda", dtype=torch.bfloat16)
-    d_act = torch.empty(T * K, I, device="cuda", dtype=torch.bfloat16)
-    deep_gemm.m_grouped_bf16_gemm_nn_contiguous(a, p["l2"], d_act, layout.offsets, a_row_index=index)
-    ref_dz, ref_act_weighted, ref_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
-    dz, act_weighted = h.clone(), torch.full_like(d_act, float("nan"))
-    row_dw = deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a, p["l2"], act_weighted, dz, layout.row_weight,
-                                                                    layout.offsets, a_row_index=index)
-    assert relative_error(dz[:routed], ref_dz[:routed]) < 1e-2
-    assert relative_error(act_weighted[:routed], ref_act_weighted[:routed]) < 1e-2
-    assert relative_error(row_dw[:routed], ref_dw[:routed]) < 1e-2
-    assert torch.equal(dz[routed:], h[routed:]) and act_weighted[routed:].isnan().all()  # rows past the groups untouched
-    again = h.clone()  # deterministic
-    deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous(a, p["l2"], act_weighted, again, layout.row_weight,
-                                                           layout.offsets, a_row_index=index)
-    assert torch.equal(again, dz)
-
-
-@requires_sm90
-@pytest.mark.parametrize("label,T,H,I,E,K,routing,empty", GPU_CASES[:3], ids=[c[0] for c in GPU_CASES[:3]])
-def test_fused_swiglu_bwd_meets_the_accuracy_bar(monkeypatch, label, T, H, I, E, K, routing, empty):
-    """The non-default path (SwiGLU backward in dA's GEMM epilogue); the default runs in test_accuracy_bar."""
-    monkeypatch.setattr(moe_backward_module, "FUSED_SWIGLU_BWD", True)
-    for name, (ours, base) in _accuracy(T, H, I, E, K, routing, empty).items():
-        assert ours <= 1.5 * base + 1e-6, f"{name}: ours {ours:.2e} vs baseline {base:.2e}"
-
-
-@requires_sm90
 def test_gather_kernel_copies_the_routed_rows():
-    from deep_gemm.moe.glue import moe_gather_rows_bf16
+    from deep_gemm.moe.kernels import moe_gather_rows_bf16
     layout = _routed_layout()
     routed = int(layout.offsets[-1])
     src = torch.randn(600, 1024, device="cuda", dtype=torch.bfloat16)
@@ -395,7 +415,7 @@ def test_gather_kernel_copies_the_routed_rows():
 ])
 def test_routing_kernels_build_the_torch_layout(T, K, E, routing, empty):
     """Our counting sort gives the stable argsort's layout, element for element."""
-    from deep_gemm.moe.glue import moe_routing_layout
+    from deep_gemm.moe.kernels import moe_routing_layout
     from deep_gemm.moe.layout import build_routing_layout_torch
     p = make_moe_inputs(T, 64, 64, E, K, device="cuda", routing=routing, empty_slot_frac=empty)
     idx = p["topk_idx"]

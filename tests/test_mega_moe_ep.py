@@ -23,9 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deep_gemm.testing import eager_and_graph_replay  # noqa: E402
-from deep_gemm.moe.symm import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: E402
-from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
-                           launch, make_deep_ep_buffer)
+from megamoe_bwd.ep import (SymmBuffer, all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl,  # noqa: E402
+                           ep_mega_moe_nvlink, get_symm_buffer_for_mega_moe, launch, make_deep_ep_buffer)
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 H, I, K, E_LOCAL = 64, 64, 4, 4
@@ -225,7 +224,7 @@ def _one_rank_buffer(max_tokens: int = 8) -> SymmBuffer:
 
 
 def test_every_rank_writes_its_token_count_into_every_buffer():
-    from deep_gemm.moe.ep import exchange_token_counts
+    from megamoe_bwd.ep.exchange import exchange_token_counts
     storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
     ranks = [SymmBuffer(storages, r, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None) for r in range(2)]
     exchange_token_counts(ranks[0], 3)
@@ -234,7 +233,7 @@ def test_every_rank_writes_its_token_count_into_every_buffer():
 
 
 def test_ranks_in_different_calls_are_stopped():
-    from deep_gemm.moe.ep import announce_call, check_calls
+    from megamoe_bwd.ep.exchange import announce_call, check_calls
     storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H), dtype=torch.uint8) for _ in range(2)]
     ranks = [SymmBuffer(storages, r, None, 2 * E_LOCAL, 8, K, H, barrier=lambda: None) for r in range(2)]
     for buffer in ranks:
@@ -262,7 +261,7 @@ def test_a_buffer_whose_exchange_stopped_midway_is_not_reused(monkeypatch):
     def fail(*args, **kwargs):
         raise MemoryError("stand-in for an error between this rank's barrier and its sends")
 
-    monkeypatch.setattr(nvlink_module, "moe_expert_rows", fail)
+    monkeypatch.setattr(nvlink_module, "gate_up_swiglu", fail)
     p = make_moe_inputs(4, H, I, E_LOCAL, K, dtype=torch.bfloat16)
     args = (p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer())
     with pytest.raises(MemoryError):

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -84,6 +85,18 @@ def _check_ptxas_report(name: str, report: str) -> None:
         raise CompileError(f"kernel {name} uses local memory (DG_JIT_PTXAS_CHECK):\n{report}")
 
 
+_announced = False
+
+
+def _announce_first_compile() -> None:
+    """Says once per process why the first calls are slow."""
+    global _announced
+    if not _announced:
+        _announced = True
+        print(f"[deep_gemm] compiling CUDA kernels on first use (seconds each, once: cached in {cache_dir()}); "
+              "`python -m deep_gemm.precompile` builds every variant ahead of time", file=sys.stderr, flush=True)
+
+
 def compile_cubin(name: str, source: str) -> Path:
     """Returns the path of the cubin for `source`, compiling it on a cache miss."""
     key = cache_key(name, source)
@@ -93,6 +106,7 @@ def compile_cubin(name: str, source: str) -> Path:
         if _env_flag("DG_JIT_DEBUG"):
             print(f"[deep_gemm.jit] cache hit {cubin}")
     else:
+        _announce_first_compile()
         _compile_to(name, source, key, kernel_dir)
     if _env_flag("DG_JIT_PTXAS_CHECK"):
         _check_ptxas_report(name, (kernel_dir / "ptxas.log").read_text())

@@ -1,20 +1,21 @@
 """Loading cubins and launching them on PyTorch's current stream through the driver API.
 
 Every kernel here takes one argument: a `__grid_constant__` parameter struct whose bytes the
-launcher packs (`pack_params`). Tensor maps inside it stay in kernel-parameter space, which is
-where TMA wants them.
+launcher packs (`params.ParamsStruct`). Tensor maps inside it stay in kernel-parameter space,
+which is where TMA wants them.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-import struct
-from typing import Optional, Sequence
+import re
+from typing import Optional
 
 import torch
 from cuda.bindings import driver as cu
 
 from .compiler import compile_cubin
+from .params import ParamsStruct
 
 
 class DriverError(RuntimeError):
@@ -193,25 +194,25 @@ def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int, entry:
     return kernel
 
 
-def build_kernel(header: str, params_type: str, impl: str, template_args: list, num_threads: int,
-                 smem_bytes: int, cluster_size: int = 1) -> Kernel:
-    """The kernel whose `extern "C"` entry runs ``deep_gemm::impl<template_args>(params)``,
-    `impl` coming from ``deep_gemm/impls/<header>``; compiled once (disk-cached). The entry is
-    named after `impl`, so that profilers tell the kernels apart."""
-    args = ", ".join(str(a) for a in template_args)
-    entry = "dg_" + impl.removesuffix("_impl")
+def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct, num_threads: int,
+                 smem_bytes: int = 0, cluster_size: int = 1) -> Kernel:
+    """The kernel whose `extern "C"` entry `entry` runs ``kernel_type::run(params)``, `kernel_type`
+    being a C++ kernel struct of ``deep_gemm/impls/<header>`` with its template arguments (e.g.
+    ``deep_gemm::MoECombine<256>``); compiled once (disk-cached). The source asserts that the
+    struct `params` describes is laid out as the launcher packs it and that the kernel needs the
+    `smem_bytes` of dynamic shared memory the launch gives it (``kSmemBytes``)."""
     source = (
         ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
+        "#include <cstddef>\n"
         f"#include <deep_gemm/impls/{header}>\n\n"
+        f"using Kernel = {kernel_type};\n"
+        f"{params.static_asserts()}\n"
+        f'static_assert(Kernel::kSmemBytes == {smem_bytes}, "the launcher gives {smem_bytes} bytes of dynamic shared memory");\n\n'
         f'extern "C" __global__ void __launch_bounds__({num_threads}, 1)\n'
-        f"{entry}(const __grid_constant__ deep_gemm::{params_type} p) {{\n"
-        f"    deep_gemm::{impl}<{args}>(p);\n"
+        f"{entry}(const __grid_constant__ {params.cpp_name} p) {{\n"
+        f"    Kernel::run(p);\n"
         f"}}\n")
-    name = "_".join([impl.removesuffix("_impl"), *(str(a).split("::")[-1] for a in template_args)])
+    # The cache entry's name: the entry and the template arguments, without namespaces.
+    args = re.sub(r"\b\w+::", "", kernel_type.partition("<")[2].rpartition(">")[0])
+    name = "_".join(filter(None, [entry.removeprefix("dg_"), *re.split(r"[^A-Za-z0-9]+", args)]))
     return get_kernel(name, source, num_threads, smem_bytes, entry, cluster_size)
-
-
-def pack_params(tensor_maps: Sequence[bytes], pointers: Sequence[int], ints: Sequence[int]) -> bytes:
-    """Packs a C struct {CUtensorMap maps[]; void* ptrs[]; uint32_t ints[];} (128-byte aligned)."""
-    data = b"".join(tensor_maps) + struct.pack(f"<{len(pointers)}Q{len(ints)}I", *pointers, *ints)
-    return data + b"\0" * (-len(data) % 128)  # CUtensorMap is alignas(128) in CUDA 13 headers

@@ -1,2 +1,4 @@
+"""The Mega MoE forward on one GPU, its routing layout and the memory-bound kernels around its GEMMs."""
 from .forward import MegaMoEHandle, bf16_mega_moe
-from .layout import RoutingLayout, build_routing_layout
+from .kernels import build_routing_layout
+from .layout import RoutingLayout

@@ -1,9 +1,9 @@
 """Routing layout: which routed row of the expert-sorted buffers holds which (token, slot).
 
-Built on the GPU by our counting-sort kernels (`glue.moe_routing_layout`), or by PyTorch ops
-on the CPU, with no host synchronisation: the number of routed rows is never read on the host,
-buffers are sized for all T * K slots and the rows past the last expert (empty `-1` slots)
-belong to no group, so the grouped GEMMs skip them.
+Built on the GPU by our counting-sort kernels (`kernels.build_routing_layout`), or by the
+PyTorch ops here, with no host synchronisation: the number of routed rows is never read on the
+host, buffers are sized for all T * K slots and the rows past the last expert (empty `-1`
+slots) belong to no group, so the grouped GEMMs skip them.
 """
 from __future__ import annotations
 
@@ -35,20 +35,10 @@ class RoutingLayout:
         return self.row_token.numel()
 
 
-def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
-    """Sorts the (token, slot) pairs by expert, stably (token order within an expert, so the
-    layout and every result built on it are deterministic). topk_idx ``[T, K]`` integer (ids
-    outside ``[0, E)`` are empty slots; int64 on a GPU takes our kernels), topk_weights
-    ``[T, K]`` float."""
-    from .glue import ROUTING_MAX_EXPERTS, moe_routing_layout  # (glue imports this module)
-
-    if topk_idx.is_cuda and topk_idx.dtype == torch.int64 and 1 <= num_experts <= ROUTING_MAX_EXPERTS:
-        return moe_routing_layout(topk_idx, topk_weights, num_experts)
-    return build_routing_layout_torch(topk_idx, topk_weights, num_experts)
-
-
 def build_routing_layout_torch(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
-    """`build_routing_layout` with PyTorch ops (a stable argsort), on any device."""
+    """The routing layout by PyTorch ops (a stable argsort), on any device: the (token, slot)
+    pairs sorted by expert, stably (token order within an expert). topk_idx ``[T, K]``
+    integer (ids outside ``[0, E)`` are empty slots), topk_weights ``[T, K]`` float."""
     num_tokens, num_topk = topk_idx.shape
     # Out-of-range ids act as empty (and are reported). Contiguous: kernels index it flat.
     valid = ((topk_idx >= 0) & (topk_idx < num_experts)).contiguous()

@@ -41,34 +41,15 @@ def m_grouped_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, n
     act.copy_(F.silu(gate) * up)
 
 
-def m_grouped_gemm_nn_swiglu_bwd(a, b, act_weighted, h, row_weight, group_offsets, *, a_row_index=None):
-    """Emulates `deep_gemm.m_grouped_bf16_gemm_nn_swiglu_bwd_contiguous` (D kept in float64)."""
-    d_act = torch.empty(act_weighted.shape, dtype=torch.float64, device=act_weighted.device)
-    _m_grouped(a, b, d_act, group_offsets, False, a_row_index)
-    gate, up = h.to(torch.float64).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    act = gate * sig * up
-    w = row_weight.to(torch.float64).unsqueeze(-1)
-    da = d_act * w
-    start, end = int(group_offsets[0]), int(group_offsets[-1])
-    h[start:end] = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1)[start:end].to(h.dtype)
-    act_weighted[start:end] = (act * w)[start:end].to(act_weighted.dtype)
-    return (d_act * act).sum(-1).to(torch.float32 if h.dtype != torch.float64 else torch.float64)
-
-
-def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, a_row_index=None, b_row_index=None, **_):
+def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
     """Emulates `deep_gemm.k_grouped_bf16_gemm_tn_contiguous`."""
-    if a_row_index is not None:
-        a = a.index_select(0, a_row_index)
-    if b_row_index is not None:
-        b = b.index_select(0, b_row_index)
     for g, (start, end) in enumerate(_bounds(group_offsets)):
         out = a[start:end].to(torch.float64).T @ b[start:end].to(torch.float64)
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
 
 
 def moe_combine(rows, layout, weights, out, *, addend=None):
-    """Emulates `deep_gemm.moe.glue.moe_combine_bf16` (in float64)."""
+    """Emulates `deep_gemm.moe.kernels.moe_combine_bf16` (in float64)."""
     num_tokens, num_topk = layout.slot_row.shape
     gathered = rows.index_select(0, layout.slot_row.flatten()).view(num_tokens, num_topk, rows.shape[1])
     gathered = torch.where(layout.slot_valid.unsqueeze(-1), gathered, 0).to(torch.float64)
@@ -81,27 +62,23 @@ def moe_combine(rows, layout, weights, out, *, addend=None):
     return out
 
 
-def _routed(layout) -> int:
-    return int(layout.offsets[-1])
-
-
 def moe_gather_rows(src, layout):
-    """Emulates `deep_gemm.moe.glue.moe_gather_rows_bf16`."""
+    """Emulates `deep_gemm.moe.kernels.moe_gather_rows_bf16`."""
     out = src.index_select(0, layout.row_token)
-    out[_routed(layout):] = float("nan")
+    out[int(layout.offsets[-1]):] = float("nan")
     return out
 
 
-def moe_swiglu_fwd(h, layout):
-    """Emulates `deep_gemm.moe.glue.moe_swiglu_fwd_bf16`."""
+def moe_swiglu_fwd(h, offsets):
+    """Emulates `deep_gemm.moe.kernels.moe_swiglu_fwd_bf16`."""
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up
-    act[_routed(layout):] = float("nan")
+    act[int(offsets[-1]):] = float("nan")
     return act
 
 
 def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
-    """Emulates `deep_gemm.moe.glue.moe_swiglu_bwd_bf16` (outputs may be its inputs)."""
+    """Emulates `deep_gemm.moe.kernels.moe_swiglu_bwd_bf16` (outputs may be its inputs)."""
     outputs = dz, act_weighted
     gate, up = h.chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
@@ -112,13 +89,13 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
     row_dw = (d_act * act).sum(-1)
     act_weighted = act * w
     for t in (dz, act_weighted, row_dw):
-        t[_routed(layout):] = float("nan")
+        t[int(layout.offsets[-1]):] = float("nan")
     dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
 
 
 def ep_wait_flags(flags, sources, timeout_ms):
-    """Emulates `deep_gemm.moe.glue.ep_wait_flags` where the writers are done already (CPU
+    """Emulates `deep_gemm.moe.kernels.ep_wait_flags` where the writers are done already (CPU
     buffers, after a barrier): every flag must be set."""
     del timeout_ms
     for flag, source in zip(flags.tolist(), sources.tolist()):

@@ -10,9 +10,9 @@ received-token gradients (and of the routing-weight gradients, which are zero on
 another rank holds, so summing gives each slot's gradient).
 
 Overlap: the backward's combine of dx runs asynchronously (`async_finish`, on DeepEP's stream)
-beside the weight gradient of l1, which our backward runs last on a side stream. The other
-exchanges have nothing to overlap with: every expert kernel needs the dispatched tokens, and
-the forward's combine is its last step. DeepEP reads the number of received tokens on the host
+beside the weight gradient of l1, which runs on a side stream (the steps of megamoe_bwd.backward).
+The other exchanges have nothing to overlap with: every expert kernel needs the dispatched
+tokens, and the forward's combine is its last step. DeepEP reads the number of received tokens on the host
 (one sync per dispatch).
 """
 from __future__ import annotations
@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from deep_gemm.moe.forward import bf16_mega_moe, check_moe_inputs
-from deep_gemm.moe.glue import moe_combine_bf16
-from deep_gemm.moe.layout import RoutingLayout
+from deep_gemm.moe.kernels import moe_combine_bf16
 
-from ..backward import mega_moe_backward
+from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
 
 
 def make_deep_ep_buffer(group: dist.ProcessGroup, hidden: int) -> Any:
@@ -59,17 +58,15 @@ class _DeepEPMegaMoE(torch.autograd.Function):
     def backward(ctx, dy):
         l1, l2 = ctx.saved_tensors
         recv_dy = ctx.buffer.dispatch(dy.contiguous(), handle=ctx.handle)[0]
-        combined = {}
-
-        def combine_async(rows: torch.Tensor, layout: RoutingLayout, d_recv_weights: torch.Tensor) -> None:
-            d_recv_x = moe_combine_bf16(rows, layout, None, rows.new_empty(recv_dy.shape))
-            combined["dx"], combined["dtopk"], combined["event"] = ctx.buffer.combine(
-                d_recv_x, ctx.handle, topk_weights=d_recv_weights, async_finish=True)  # (records its tensors' streams)
-
-        _, _, dl1, dl2 = mega_moe_backward(recv_dy, l1, l2, ctx.moe_handle, weight_grad_dtype=l1.dtype,
-                                           combine_dx=combine_async)
-        combined["event"].current_stream_wait()
-        return combined["dx"], None, combined["dtopk"].to(ctx.weights_dtype), dl1, dl2, None, None
+        handle, layout = ctx.moe_handle, ctx.moe_handle.layout
+        grads = weight_grads(l1, l2, l1.dtype)
+        dz, row_dw = backward_to_dz(recv_dy, l2, handle, grads, keep_handle=False)
+        with dx_rows_beside_dl1(dz, l1, handle.x, layout, grads) as dx_rows:
+            d_recv_x = moe_combine_bf16(dx_rows, layout, None, dx_rows.new_empty(recv_dy.shape))
+            dx, dtopk, event = ctx.buffer.combine(d_recv_x, ctx.handle, topk_weights=routing_weight_grad(row_dw, layout),
+                                                  async_finish=True)  # (records its tensors' streams)
+        event.current_stream_wait()
+        return dx, None, dtopk.to(ctx.weights_dtype), grads.dl1, grads.dl2, None, None
 
 
 def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# NVLink multicast / NVLS is never used: it can take a shared host's GPUs down (DESIGN.md).
+# NVLink multicast / NVLS is never used: it can take a shared host's GPUs down (docs/DESIGN.md, "Rules").
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -14,19 +14,21 @@ Backward: stage dy -> barrier -> the copy engines pull the other ranks' dy while
           single-GPU backward (weight gradients on a side stream), dx's GEMM sending the other
           ranks' dx sums (and routing-weight gradients) the same way as the forward's GEMM2.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
-NCCL, no host synchronisation, one barrier per exchange. See deep_gemm.moe.ep.
+NCCL, no host synchronisation, one barrier per exchange. The exchange itself: exchange.py.
 """
 from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe.ep import (announce_call, check_calls, exchange_token_counts, gather_partials, pull_tokens,
-                              send_partials)
-from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, moe_expert_rows
-from deep_gemm.moe.layout import RoutingLayout, build_routing_layout
-from deep_gemm.moe.symm import SymmBuffer
+from deep_gemm.gemm import m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous
+from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, gate_up_swiglu
+from deep_gemm.moe.kernels import build_routing_layout, moe_gather_rows_bf16
+from deep_gemm.moe.layout import RoutingLayout
 
-from ..backward import mega_moe_backward
+from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
+from .exchange import (announce_call, check_calls, exchange_token_counts, gather_partials, gemm_other_ranks_first,
+                       pull_tokens, send_partials)
+from .symm import SymmBuffer
 
 
 def _stage(region: torch.Tensor, t: torch.Tensor) -> None:
@@ -62,11 +64,15 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
                                    runs.slot_valid)
             recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
-            try:
-                h, rows = moe_expert_rows(recv_x, layout, l1, l2, arrival,
-                                          early_results=lambda rows: send_partials(rows, layout, local_weights, buffer))
-            finally:  # (joined already unless it raised)
+            try:  # GEMM1 gathers x's rows pass by pass as they land
+                h, act = gate_up_swiglu(recv_x, l1, runs.offsets, layout.row_token, num_passes=world,
+                                        ready_flags=arrival.ready_flags)
+            finally:  # (also when it raised: the copies write into recv_x)
                 arrival.join()
+            rows = recv_x.new_empty(layout.num_slots, x.shape[1])
+            gemm_other_ranks_first(m_grouped_bf16_gemm_nt_contiguous, act, l2, rows, arrival,
+                                   lambda rows: send_partials(rows, layout, local_weights, buffer))
+            del act
             y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
             del rows
             ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
@@ -87,22 +93,35 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             buffer.barrier()
             check_calls(buffer)
             recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
-
             layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
-            handle = MegaMoEHandle(layout, recv_x, h)
-            try:
-                dx, d_recv_weights, dl1, dl2 = mega_moe_backward(
-                    recv_dy, l1, l2, handle, weight_grad_dtype=l1.dtype, dy_arrival=arrival,
-                    send_dx_early=lambda rows, dw: send_partials(rows, layout, None, buffer, dw=dw),
-                    combine_dx=lambda rows, lay, _dw: gather_partials(rows, lay, None, buffer, dy.new_empty(dy.shape)))
-            finally:  # (joined already unless it raised)
+            grads = weight_grads(l1, l2, l1.dtype)
+            d_act = recv_dy.new_empty(layout.num_slots, l2.shape[2])
+            try:  # dA's GEMM gathers dy's rows pass by pass as they land
+                m_grouped_bf16_gemm_nn_contiguous(recv_dy, l2, d_act, run_offsets, a_row_index=row_token,
+                                                  num_passes=world, ready_flags=arrival.ready_flags)
+            finally:
                 arrival.join()
+            dy_rows = moe_gather_rows_bf16(recv_dy, layout)  # dl2's operand
+            dz, row_dw = swiglu_backward_and_dl2(MegaMoEHandle(layout, recv_x, h), dy_rows, d_act, grads,
+                                                 keep_handle=False)
+            del h, dy_rows, d_act
+            d_recv_weights = routing_weight_grad(row_dw, layout)
+            dx_rows = dz.new_empty(layout.num_slots, recv_x.shape[1])
+            with SideStream(dy.device) as side:
+                def send(rows: torch.Tensor) -> None:
+                    send_partials(rows, layout, None, buffer, dw=d_recv_weights)
+                    # Queued after the sends' combine, which would otherwise wait for dl1's GEMM.
+                    side.run(lambda: dl1_gemm(dz, recv_x, layout, grads))
+
+                gemm_other_ranks_first(m_grouped_bf16_gemm_nn_contiguous, dz, l1, dx_rows, arrival, send)
+                dx = gather_partials(dx_rows, layout, None, buffer, dy.new_empty(dy.shape))
+            del dx_rows
             # Each slot's gradient comes from the rank holding its expert; the others' are zeros.
             dtopk_weights = d_recv_weights[:num_tokens]
             if world > 1:
                 from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
                 dtopk_weights = dtopk_weights + from_others.sum(0)
-            return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
+            return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.dl1, grads.dl2, None
 
 
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

@@ -1,6 +1,6 @@
 #pragma once
-// Epilogues: move a math warpgroup's 64 x BLOCK_N fp32 accumulators to global memory.
-// Accumulator layout: see mma/wgmma_bf16.cuh.
+// The stores the epilogue policies are built from: a math warpgroup's 64 x BLOCK_N fp32
+// accumulators to global memory, through shared memory. Accumulator layout: mma/wgmma_bf16.cuh.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <type_traits>
@@ -73,40 +73,6 @@ __device__ __forceinline__ void store_bf16_staged(const float (&acc)[BLOCK_N / 2
     }
 }
 
-// Direct register-to-global stores: fp32 pairs fill whole 32-byte sectors; bf16 pairs half.
-// With `kAccumulate`, D += acc (read-modify-write; each element is owned by one thread).
-template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
-__device__ __forceinline__ void store_direct(const float (&acc)[BLOCK_N / 2], OutT* d, uint32_t ld_d,
-                                             uint32_t num_rows, uint32_t num_cols) {
-    const uint32_t lane = ptx::lane_idx();
-    const uint32_t row = ((threadIdx.x % 128) / 32) * 16 + lane / 4, col = (lane % 4) * 2;
-    #pragma unroll
-    for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
-        const uint32_t c = j * 8 + col;
-        #pragma unroll
-        for (uint32_t half = 0; half < 2; ++half) {
-            const uint32_t r = row + half * 8;
-            if (r >= num_rows or c >= num_cols)
-                continue;
-            float x = acc[j * 4 + half * 2], y = acc[j * 4 + half * 2 + 1];
-            OutT* ptr = d + static_cast<uint64_t>(r) * ld_d + c;
-            if constexpr (std::is_same_v<OutT, float>) {
-                if constexpr (kAccumulate) {
-                    const float2 old = *reinterpret_cast<const float2*>(ptr);
-                    x += old.x, y += old.y;
-                }
-                *reinterpret_cast<float2*>(ptr) = make_float2(x, y);
-            } else {
-                if constexpr (kAccumulate) {
-                    const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ptr));
-                    x += old.x, y += old.y;
-                }
-                *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(x, y);
-            }
-        }
-    }
-}
-
 // Shared memory one warpgroup needs for `store_rows_async`: 64 rows of one column chunk
 // (256 bytes: 128 bf16 or 64 fp32 columns), each padded by 16 bytes so the rows a warp writes
 // at once fall on different banks.
@@ -123,8 +89,8 @@ struct RowStaging {
 // The last chunk's copies overlap the warpgroup's next tile of MMAs; a chunk's staging is
 // reused once the copies before it have read it. Only rows below `num_rows` and columns
 // below `num_cols` are written. `barrier_id` names a barrier private to this warpgroup. Call
-// `store_rows_async_drain` before the kernel exits. (Accumulating into bf16 rounds twice, the
-// staged value and the sum, where `store_direct` rounds once: within one bf16 ulp.)
+// `drain_bulk_stores` before the kernel exits. (Accumulating into bf16 rounds twice, the staged
+// value and the sum: within one bf16 ulp of rounding once.)
 template <uint32_t BLOCK_N, typename OutT, bool kAccumulate>
 __device__ __forceinline__ void store_rows_async(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
                                                  uint32_t barrier_id, OutT* d, uint32_t ld_d,
@@ -173,7 +139,7 @@ struct SwizzledStaging {
 // tensor's ends. Chunks go in batches of kNumBuffers / 2, one fence and two barriers each; the
 // two halves of the buffers take batches in turn, so a batch is written while the previous
 // one drains, and the last batch's stores overlap the next tile's MMAs. Thread 0 of the
-// warpgroup issues the stores: call `store_rows_async_drain` before the kernel exits.
+// warpgroup issues the stores: call `drain_bulk_stores` before the kernel exits.
 template <uint32_t BLOCK_N, typename OutT, bool kAccumulate, uint32_t kNumBuffers = 2>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging, uint32_t barrier_id,
                                                const CUtensorMap* desc, uint32_t n, uint32_t m, uint32_t g) {
@@ -211,7 +177,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
     }
 }
 
-__device__ __forceinline__ void store_rows_async_drain() {
+__device__ __forceinline__ void drain_bulk_stores() {
     if (threadIdx.x % 128 < 64)
         ptx::bulk_wait_group<0>();
 }

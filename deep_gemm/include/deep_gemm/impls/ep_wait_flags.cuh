@@ -6,7 +6,7 @@
 // timeout_ms fails with a message naming the rank that did not send.
 #include <cassert>
 #include <cstdint>
-#include "../ptx/barrier.cuh"
+#include "../comm/flags.cuh"
 
 namespace deep_gemm {
 
@@ -33,14 +33,18 @@ __device__ __forceinline__ void fail_waiting_for(int rank) {
 }
 
 template <uint32_t kNumThreads>
-__device__ __forceinline__ void ep_wait_flags_impl(const EpWaitFlagsParams& p) {
-    if (threadIdx.x != 0 or blockIdx.x != 0)
-        return;
-    const uint64_t timeout_ns = static_cast<uint64_t>(p.timeout_ms) * 1'000'000ull;
-    for (uint32_t j = 0; j < p.num_flags; ++j) {
-        ptx::wait_global_flag(p.flags + j, timeout_ns, [&] { fail_waiting_for(p.sources[j]); });
-        p.flags[j] = 0;
+struct EpWaitFlags {
+    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
+
+    __device__ __forceinline__ static void run(const EpWaitFlagsParams& p) {
+        if (threadIdx.x != 0 or blockIdx.x != 0)
+            return;
+        const uint64_t timeout_ns = static_cast<uint64_t>(p.timeout_ms) * 1'000'000ull;
+        for (uint32_t j = 0; j < p.num_flags; ++j) {
+            comm::wait_global_flag(p.flags + j, timeout_ns, [&] { fail_waiting_for(p.sources[j]); });
+            p.flags[j] = 0;
+        }
     }
-}
+};
 
 }  // namespace deep_gemm

@@ -23,53 +23,57 @@ struct MoECombineParams {
 };
 
 template <uint32_t kNumThreads>
-__device__ __forceinline__ void moe_combine_impl(const MoECombineParams& p) {
-    constexpr uint32_t kVec = ptx::kBF16PerVec;
-    // Slots are read in groups whose row loads are all issued before the first is summed: a
-    // load-then-add loop over the slots kept one 16-byte load in flight per thread and reached
-    // 1.6 TB/s at H = 4096 (measured).
-    constexpr uint32_t kGroup = 8;
-    const uint32_t num_chunks = p.hidden / kVec;
-    for (uint32_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
-        __nv_bfloat16* out = p.out + static_cast<uint64_t>(token) * p.hidden;
-        const uint64_t first_slot = static_cast<uint64_t>(token) * p.num_topk;
-        for (uint32_t chunk = threadIdx.x; chunk < num_chunks; chunk += kNumThreads) {
-            float acc[kVec] = {};
-            for (uint32_t k0 = 0; k0 < p.num_topk; k0 += kGroup) {
-                uint4 raw[kGroup];
-                float w[kGroup];
-                bool valid[kGroup];
-                #pragma unroll
-                for (uint32_t j = 0; j < kGroup; ++j) {
-                    const uint64_t slot = first_slot + k0 + j;
-                    valid[j] = k0 + j < p.num_topk and p.slot_valid[slot];
-                    w[j] = valid[j] and p.weights != nullptr ? p.weights[slot] : 1.0f;
-                    if (valid[j])
-                        raw[j] = __ldg(reinterpret_cast<const uint4*>(p.rows + p.slot_row[slot] * p.hidden + chunk * kVec));
+struct MoECombine {
+    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
+
+    __device__ __forceinline__ static void run(const MoECombineParams& p) {
+        constexpr uint32_t kVec = ptx::kBF16PerVec;
+        // Slots are read in groups whose row loads are all issued before the first is summed: a
+        // load-then-add loop over the slots kept one 16-byte load in flight per thread and reached
+        // 1.6 TB/s at H = 4096 (measured).
+        constexpr uint32_t kGroup = 8;
+        const uint32_t num_chunks = p.hidden / kVec;
+        for (uint32_t token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+            __nv_bfloat16* out = p.out + static_cast<uint64_t>(token) * p.hidden;
+            const uint64_t first_slot = static_cast<uint64_t>(token) * p.num_topk;
+            for (uint32_t chunk = threadIdx.x; chunk < num_chunks; chunk += kNumThreads) {
+                float acc[kVec] = {};
+                for (uint32_t k0 = 0; k0 < p.num_topk; k0 += kGroup) {
+                    uint4 raw[kGroup];
+                    float w[kGroup];
+                    bool valid[kGroup];
+                    #pragma unroll
+                    for (uint32_t j = 0; j < kGroup; ++j) {
+                        const uint64_t slot = first_slot + k0 + j;
+                        valid[j] = k0 + j < p.num_topk and p.slot_valid[slot];
+                        w[j] = valid[j] and p.weights != nullptr ? p.weights[slot] : 1.0f;
+                        if (valid[j])
+                            raw[j] = __ldg(reinterpret_cast<const uint4*>(p.rows + p.slot_row[slot] * p.hidden + chunk * kVec));
+                    }
+                    #pragma unroll
+                    for (uint32_t j = 0; j < kGroup; ++j) {
+                        if (not valid[j])
+                            continue;
+                        float v[kVec];
+                        ptx::bf16x8_to_float(raw[j], v);
+                        #pragma unroll
+                        for (uint32_t i = 0; i < kVec; ++i)
+                            acc[i] += w[j] * v[i];
+                    }
                 }
-                #pragma unroll
-                for (uint32_t j = 0; j < kGroup; ++j) {
-                    if (not valid[j])
-                        continue;
+                for (uint32_t j = 0; j < p.num_addends; ++j) {
+                    // Through L2 only: another GPU's copy engine wrote these rows.
+                    const uint64_t row = static_cast<uint64_t>(j) * p.addend_stride + token;
                     float v[kVec];
-                    ptx::bf16x8_to_float(raw[j], v);
+                    ptx::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p.addend + row * p.hidden + chunk * kVec)), v);
                     #pragma unroll
                     for (uint32_t i = 0; i < kVec; ++i)
-                        acc[i] += w[j] * v[i];
+                        acc[i] += v[i];
                 }
+                ptx::store_bf16x8(out + chunk * kVec, acc);
             }
-            for (uint32_t j = 0; j < p.num_addends; ++j) {
-                // Through L2 only: another GPU's copy engine wrote these rows.
-                const uint64_t row = static_cast<uint64_t>(j) * p.addend_stride + token;
-                float v[kVec];
-                ptx::bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(p.addend + row * p.hidden + chunk * kVec)), v);
-                #pragma unroll
-                for (uint32_t i = 0; i < kVec; ++i)
-                    acc[i] += v[i];
-            }
-            ptx::store_bf16x8(out + chunk * kVec, acc);
         }
     }
-}
+};
 
 }  // namespace deep_gemm

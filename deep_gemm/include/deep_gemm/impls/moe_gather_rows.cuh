@@ -18,13 +18,17 @@ struct MoEGatherRowsParams {
 };
 
 template <uint32_t kNumThreads>
-__device__ __forceinline__ void moe_gather_rows_impl(const MoEGatherRowsParams& p) {
-    constexpr uint32_t kWarps = kNumThreads / 32;
-    const uint32_t lane = threadIdx.x % 32, num_vecs = p.hidden / 8, num_rows = *p.num_rows;
-    for (uint32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < num_rows; r += gridDim.x * kWarps) {
-        ptx::copy_row_warp(reinterpret_cast<const uint4*>(p.src + p.row_token[r] * p.hidden),
-                           reinterpret_cast<uint4*>(p.out + static_cast<uint64_t>(r) * p.hidden), num_vecs, lane);
+struct MoEGatherRows {
+    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
+
+    __device__ __forceinline__ static void run(const MoEGatherRowsParams& p) {
+        constexpr uint32_t kWarps = kNumThreads / 32;
+        const uint32_t lane = threadIdx.x % 32, num_vecs = p.hidden / 8, num_rows = *p.num_rows;
+        for (uint32_t r = blockIdx.x * kWarps + threadIdx.x / 32; r < num_rows; r += gridDim.x * kWarps) {
+            ptx::copy_row_warp(reinterpret_cast<const uint4*>(p.src + p.row_token[r] * p.hidden),
+                               reinterpret_cast<uint4*>(p.out + static_cast<uint64_t>(r) * p.hidden), num_vecs, lane);
+        }
     }
-}
+};
 
 }  // namespace deep_gemm

@@ -49,12 +49,12 @@ struct GemmSmem {
     __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return full(kNumStages + stage); }
 
     // Thread 0 only: full barriers complete on the TMA bytes and the producer's arrival (plus
-    // one cp.async arrival per gathering thread), empty ones on both math warpgroups of each
+    // one cp.async arrival per copying thread), empty ones on both math warpgroups of each
     // of the `num_ctas` CTAs whose loads fill this CTA's stages (a cluster sharing B).
-    __device__ __forceinline__ void init_barriers(uint32_t num_gather_threads, uint32_t num_ctas) const {
+    __device__ __forceinline__ void init_barriers(uint32_t num_copy_threads, uint32_t num_ctas) const {
         #pragma unroll
         for (uint32_t s = 0; s < kNumStages; ++s) {
-            full(s)->init(1 + num_gather_threads);
+            full(s)->init(1 + num_copy_threads);
             empty(s)->init(kNumMathThreads / 128 * num_ctas);
         }
         ptx::fence_barrier_init();
@@ -63,17 +63,18 @@ struct GemmSmem {
 
 // Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
 // initialises the barriers, and the CTA (the cluster, with kClusterSize > 1) syncs before any
-// role touches them. With `kGather`, the whole producer warpgroup gathers rows with cp.async
-// (see produce_k_blocks).
-template <bool kGather, uint32_t kClusterSize = 1, typename Smem>
+// role touches them. `kNumCopyThreads` producer threads also fill stages with cp.async (see
+// produce_k_blocks).
+template <uint32_t kNumCopyThreads, uint32_t kClusterSize = 1, typename Smem>
 __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,
                                            const CUtensorMap* tensor_map_b) {
+    static_assert(kNumCopyThreads <= kNumProducerThreads);
     if (threadIdx.x == kNumMathThreads) {
         ptx::prefetch_tma_descriptor(tensor_map_a);
         ptx::prefetch_tma_descriptor(tensor_map_b);
     }
     if (threadIdx.x == 0)
-        smem.init_barriers(kGather ? kNumProducerThreads : 0, kClusterSize);
+        smem.init_barriers(kNumCopyThreads, kClusterSize);
     if constexpr (kClusterSize > 1)
         ptx::cluster_sync();
     else
@@ -169,9 +170,9 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
 
 // The producer's loop: waits for a free stage, then `issue_loads(stage, k_block, bar)`
 // starts the copies that fill it and complete on `bar`; the `leader` announces the
-// `kTxBytes` the TMA engine will deliver. Run by the leader alone (TMA only), or by the whole
-// producer warpgroup when rows are gathered: then each thread ends its part of
-// `issue_loads` with ptx::cp_async_arrive_noinc(bar).
+// `kTxBytes` the TMA engine will deliver. Run by the leader alone (TMA only), or by every
+// thread that copies with cp.async as well: each ends its part of `issue_loads` with
+// ptx::cp_async_arrive_noinc(bar).
 template <uint32_t kNumStages, uint32_t kTxBytes, typename Smem, typename IssueLoads>
 __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                  bool leader, const IssueLoads& issue_loads) {

@@ -55,36 +55,6 @@ struct alignas(8) MBarrier {
     }
 };
 
-__device__ __forceinline__ uint64_t global_timer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Spins until the int at `flag` (global memory; set by a stream-ordered write of another
-// stream, e.g. after a copy engine filled the data it guards) is non-zero, then makes the data
-// it guards visible to this thread's later loads, TMA ones included. After `timeout_ns` it
-// calls `on_timeout()`, which must not return (it traps), instead of hanging.
-template <typename OnTimeout>
-__device__ __forceinline__ void wait_global_flag(const int* flag, uint64_t timeout_ns, OnTimeout on_timeout) {
-    const uint64_t start = global_timer_ns();
-    while (true) {
-        int value;
-        asm volatile("ld.acquire.sys.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
-        if (value != 0)
-            break;
-        if (global_timer_ns() - start > timeout_ns)
-            on_timeout();
-        __nanosleep(256);
-    }
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-// The same, trapping after ~10 s (like MBarrier::wait).
-__device__ __forceinline__ void wait_global_flag(const int* flag) {
-    wait_global_flag(flag, 10'000'000'000ull, [] { __trap(); });
-}
-
 // Makes barrier initialisation visible to the async proxy before any TMA uses it.
 __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -1,4 +1,5 @@
-"""Exchange plan of the built-in expert-parallel path: which rows go where.
+"""The NVLink exchange of the built-in expert-parallel path (`nvlink.py` runs the layer on it):
+which rows go where, and how ranks know that they have landed.
 
 Every rank stages its tokens (the forward's x, the backward's dy) in its symmetric buffer;
 every other rank copies them in whole with the copy engines (no SM) while its first GEMM works
@@ -20,14 +21,15 @@ partial sums, nobody reads its buffer any more and its next exchange may start.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-from ..jit.runtime import stream_write_u32
-from .forward import RowArrival
-from .glue import ep_wait_flags, moe_combine_bf16
-from .layout import RoutingLayout
+from deep_gemm.jit.runtime import stream_write_u32
+from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16
+from deep_gemm.moe.layout import RoutingLayout
+
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
 
@@ -67,9 +69,22 @@ def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
     return buffer.local["num_tokens"].clone()
 
 
-# Whether GEMM1 starts on this rank's own tokens while the others' are copied in (True), or the
-# copies finish first (False; kept so that benchmarks can show what the overlap saves).
-OVERLAP_PULL = True
+@dataclass
+class RowArrival:
+    """Token rows still landing (`pull_tokens`): they come in S passes, pass s complete once
+    ``ready_flags[s] != 0``; within each expert, the layout's rows are sorted by pass.
+
+    run_offsets: int32 ``[E * S + 1]``: expert e's rows of pass s are
+                 ``[run_offsets[e * S + s], run_offsets[e * S + s + 1])``.
+    num_passes:  S.
+    ready_flags: int32 ``[S]`` on the GPU, or None (the rows have landed: CPU buffers).
+    join:        makes the current stream wait until every row has landed.
+    """
+
+    run_offsets: torch.Tensor
+    num_passes: int
+    ready_flags: Optional[torch.Tensor]
+    join: Callable[[], None]
 
 
 def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor) -> tuple[torch.Tensor, RowArrival]:
@@ -112,7 +127,7 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
             current.wait_stream(stream)
             flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
-    return rows, RowArrival(run_offsets, world, flags if OVERLAP_PULL else None, join)
+    return rows, RowArrival(run_offsets, world, flags, join)
 
 
 def _token_slots(layout: RoutingLayout, begin: int, end: int) -> RoutingLayout:
@@ -185,3 +200,19 @@ def gather_partials(rows: torch.Tensor, layout: RoutingLayout, weights: Optional
     if buffer.copy_stream is not None:
         torch.cuda.current_stream(out.device).wait_stream(buffer.copy_stream)
     return out
+
+
+def gemm_other_ranks_first(gemm: Callable, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, arrival: RowArrival,
+                           send: Callable[[torch.Tensor], None]) -> None:
+    """An m-grouped GEMM (`gemm(a, b, d, ...)`, nt or nn) over `arrival`'s (expert, pass) runs in
+    two launches: passes 1..S-1 (other ranks' tokens), then ``send(d)``, then pass 0, so that what
+    `send` starts with those rows (sending results to their ranks) overlaps the GEMM's work on
+    this rank's own rows. With one pass (one rank), the GEMM and then `send`."""
+    runs = dict(group_offsets=arrival.run_offsets, num_passes=arrival.num_passes)
+    if arrival.num_passes == 1:
+        gemm(a, b, d, **runs)
+        send(d)
+        return
+    gemm(a, b, d, **runs, pass_range=(1, arrival.num_passes))
+    send(d)
+    gemm(a, b, d, **runs, pass_range=(0, 1))

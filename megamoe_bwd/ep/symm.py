@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from deep_gemm.moe import kernels
+
 # A barrier that waits longer than this fails the launch (and with it the CUDA context) instead
 # of hanging when a rank died. Generous: a rank may be compiling kernels or saving a checkpoint.
 BARRIER_TIMEOUT_MS = int(os.environ.get("DG_EP_BARRIER_TIMEOUT_MS", 600_000))
@@ -39,7 +41,7 @@ def _regions(world: int, max_tokens: int, num_topk: int, hidden: int) -> list:
         ("topk_weights", (max_tokens, num_topk), torch.float32),
         ("dy", (max_tokens, hidden), torch.bfloat16),  # the backward's dy, read by the others
         ("num_tokens", (world,), torch.int32),  # each rank's token count
-        ("calls", (world,), torch.int64),  # which exchange each rank is in (see ep.announce_call)
+        ("calls", (world,), torch.int64),  # which exchange each rank is in (exchange.announce_call)
         # Partial results for this rank's tokens from each other rank (block s - 1: from rank
         # rank - s), their routing-weight gradients, and the flags their senders set once landed.
         ("back", ((world - 1) * max_tokens, hidden), torch.bfloat16),
@@ -83,12 +85,12 @@ class SymmBuffer:
         self._peers = [_carve(s, self._regions, offsets) for s in storages]
         self.local = self._peers[rank]
         self._barrier = barrier
-        self.num_calls = 0  # exchanges this rank has started (ep.announce_call)
+        self.num_calls = 0  # exchanges this rank has started (exchange.announce_call)
         self.failure: Optional[str] = None  # why an exchange stopped midway (see `exchange`)
         self._constants: dict = {}
         self._regions_by_name = {name: PeerRegion(tuple(peer[name] for peer in self._peers))
                                  for name, _, _ in self._regions}
-        # This rank's own (not shared) arrival flags and copy stream (ep.pull_tokens); none on the CPU.
+        # This rank's own (not shared) arrival flags and copy stream (exchange.pull_tokens); none on the CPU.
         device = self.local["x"].device
         self.ready_flags = torch.zeros(world, dtype=torch.int32, device=device) if device.type == "cuda" else None
         self.copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -157,11 +159,13 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
     and for each other's results; the GEMMs compile on first use). NVLink multicast stays off
     (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
     """
-    del intermediate_hidden  # part of the upstream-style signature; nothing of size I is exchanged
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (DESIGN.md)
+    # intermediate_hidden is part of the upstream-style signature: nothing of size I is exchanged.
+    for name, value in (("num_experts", num_experts), ("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                        ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never multicast (docs/DESIGN.md, "Rules")
     import torch.distributed._symmetric_memory as symm_mem
-
-    from .glue import precompile_exchange_kernels
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -179,7 +183,8 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
         raise RuntimeError("symmetric memory: get_buffer does not map this rank's buffer")
     extra = 0 if own == storage.data_ptr() else offset
     storages = [storage if r == rank else handle.get_buffer(r, (nbytes,), torch.uint8, extra) for r in range(world)]
-    precompile_exchange_kernels()
+    for name in ("moe_combine", "moe_swiglu_fwd", "moe_swiglu_bwd", "ep_wait_flags"):
+        kernels.get_kernel(name)  # compiled now, not while the other ranks wait (see the docstring)
     buffer = SymmBuffer(storages, rank, group, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                         barrier=lambda: handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS))
     buffer.handle = handle  # keeps the mapping alive
