@@ -17,8 +17,8 @@ def _device_num_sms(device: int) -> int:
 
 def set_num_sms(num_sms: int) -> None:
     """Caps the number of SMs (persistent CTAs) the kernels use, e.g. to leave SMs to communication."""
-    if num_sms <= 0:
-        raise ValueError(f"num_sms must be positive, got {num_sms}")
+    if not isinstance(num_sms, int) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     global _num_sms
     _num_sms = num_sms
 

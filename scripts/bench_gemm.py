@@ -1,7 +1,7 @@
 """Grouped GEMMs of the standard MoE shapes: ours vs torch._grouped_mm, measured in one run.
 
-For each model (DESIGN.md's standard shapes) and routing (uniform, skewed), the six grouped
-GEMMs of one MoE layer's training step:
+For each model (the standard shapes of docs/DESIGN.md) and routing (uniform, skewed), the six
+grouped GEMMs of one MoE layer's training step:
     fwd1   x @ l1[e].T        m-grouped nt   N = 2I, K = H
            ("fwd1 gather": x's rows gathered by our loads vs index_select + torch._grouped_mm;
             "fwd1 swiglu": with act = silu(gate) * up in our epilogue vs torch's elementwise ops)
@@ -17,6 +17,9 @@ Times are medians of CUDA-event timings with the L2 flushed before each run, our
 torch's interleaved in rounds so clock drift hits both alike.
 
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
+
+It uses the public GEMM functions only, so it also times another checkout of the library on
+the same terms (an A/B: put this script in that checkout's scripts/). Needs a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -30,14 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
-
-MODELS = {  # name: (H, I, E, top-k, tokens)
-    "30b": (2048, 768, 128, 8, 16384),
-    "235b": (4096, 1536, 128, 8, 16384),
-    "v3": (7168, 2048, 256, 8, 8192),
-}
 
 
 def gemm_cases(hidden: int, inter: int):
@@ -76,9 +74,8 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
         b = torch.randn(num_groups, n, k, device="cuda", dtype=torch.bfloat16)
         d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         act = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
-        ours = lambda config=None: deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(  # noqa: E731
-            a, b, d, act, offsets, config=config)
-        configs = m_grouped_bf16.SWIGLU_CONFIGS
+        ours = lambda: deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(a, b, d, act, offsets)  # noqa: E731
+        configs = []  # one variant
 
         def theirs():
             h = torch._grouped_mm(a, b.transpose(1, 2), offs=ends)
@@ -167,6 +164,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="comma-separated GEMM labels to run (e.g. wgrad1), for profilers")
     args = parser.parse_args()
+    require_sm90("bench_gemm.py")
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -175,7 +173,7 @@ def main() -> None:
     header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
               f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
     if args.sweep:
-        header += "  sweep ms: block_n[a=async store, t=TMA store]"
+        header += "  sweep ms: config label (GemmConfig.label)"
     lines = [header]
     print(header, flush=True)
     for model in args.models.split(","):

@@ -1,32 +1,28 @@
 """Mega MoE layer, forward and backward, against the torch._grouped_mm MoE in the same run.
 
-For each standard shape (DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
+For each standard shape (docs/DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
 above the inputs, allocated (tensors alive) and reserved (what the caching allocator holds:
 a block freed on a side stream stays there while that stream may still use it), for
-    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype), with
-             token rows gathered by the forward GEMM's loads and copied before the backward
-             GEMMs (the default, deep_gemm.moe.forward.GATHER_ROWS); as "ours, rows copied"
-             and "ours, rows gathered", one way in both passes; as "ours, SwiGLU bwd fused",
-             the SwiGLU backward in dA's GEMM epilogue (megamoe_bwd.backward.FUSED_SWIGLU_BWD)
+    ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
-and writes a PNG bar chart next to the table (`--plot`).
+and writes a PNG bar chart next to the table (`--plot`). The one-GPU mode uses only
+`megamoe_bwd.mega_moe`, `grouped_mm_moe` and `make_moe_inputs`, so it also times another
+checkout of the library on the same terms (an A/B: put this script in that checkout's scripts/).
 
     python scripts/bench_mega_moe.py [--models 30b,235b,v3] [--routing uniform,skewed] [--plot PATH]
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
 (`ep_mega_moe_nvlink`: x and dy pulled by the copy engines while GEMM1 and dA's GEMM start on
-the rank's own tokens; and the same with the pulls finished before those GEMMs, "no
-overlap"), ours over DeepEP when it is
-installed (`ep_mega_moe_deep_ep`), our interim path (the all-to-all exchange around our fused
-layer, `ep_mega_moe_nccl`) and the compute-only time of
-each rank's work (torch._grouped_mm on uniform groups, and our single-GPU layer on T tokens
-routed over the local experts), and reports per-GPU numbers (the slowest rank's median), each
-path's speed-up over the all-to-all baseline and its time over our compute-only time (the
-share of communication left unhidden).
+the rank's own tokens), ours over DeepEP when it is installed (`ep_mega_moe_deep_ep`), ours
+with the all-to-all exchange (`ep_mega_moe_nccl`) and the compute-only time of each rank's work
+(torch._grouped_mm on uniform groups, and our single-GPU layer on T tokens routed over the
+local experts), and reports per-GPU numbers (the slowest rank's median), each path's speed-up
+over the all-to-all baseline and its time over our compute-only time (the share of
+communication left unhidden). Needs Hopper GPUs.
 """
 from __future__ import annotations
 
@@ -42,21 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
-import megamoe_bwd.backward as moe_backward_module  # noqa: E402
+from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
-from megamoe_bwd import grouped_mm_moe, mega_moe  # noqa: E402
-from deep_gemm.moe.symm import get_symm_buffer_for_mega_moe  # noqa: E402
-from deep_gemm.moe import ep as ep_module  # noqa: E402
-from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,  # noqa: E402
-                           launch, make_deep_ep_buffer)
-from megamoe_bwd.reference import make_moe_inputs  # noqa: E402
-
-MODELS = {  # name: (H, I, E, top-k, tokens)
-    "30b": (2048, 768, 128, 8, 16384),
-    "235b": (4096, 1536, 128, 8, 16384),
-    "v3": (7168, 2048, 256, 8, 8192),
-}
+from megamoe_bwd import grouped_mm_moe, make_moe_inputs, mega_moe  # noqa: E402
 
 
 def deep_ep_available() -> bool:
@@ -178,17 +162,14 @@ def main() -> None:
                         help="with --num-processes: implementations to time, separated by ';' (names hold commas; "
                              "default: all; 'ours compute only' is always timed, the ratios' reference)")
     args = parser.parse_args()
+    require_sm90("bench_mega_moe.py", args.num_processes)
     if args.num_processes > 1:
+        from megamoe_bwd.ep import launch
         launch(ep_worker, args.num_processes, args.models, args.routing, args.tokens, args.profile, args.impls,
                backend="nccl")
         return
 
-    impls = {"torch": grouped_mm_moe, "ours": mega_moe, "ours, rows copied": mega_moe, "ours, rows gathered": mega_moe,
-             "ours, SwiGLU bwd fused": mega_moe}
-    # Our variants: (module, attribute, value) set while they are timed.
-    variants = {"ours, rows copied": (moe_forward_module, "GATHER_ROWS", {"forward": False, "backward": False}),
-                "ours, rows gathered": (moe_forward_module, "GATHER_ROWS", {"forward": True, "backward": True}),
-                "ours, SwiGLU bwd fused": (moe_backward_module, "FUSED_SWIGLU_BWD", True)}
+    impls = {"torch": grouped_mm_moe, "ours": mega_moe}
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -205,15 +186,7 @@ def main() -> None:
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             torch_total = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
-                override = variants.get(name)
-                saved = getattr(*override[:2]) if override else None
-                if override:
-                    setattr(*override)
-                try:
-                    fwd, bwd, peak, peak_reserved = time_fwd_bwd(fn, inputs, p["dy"])
-                finally:
-                    if override:
-                        setattr(*override[:2], saved)
+                fwd, bwd, peak, peak_reserved = time_fwd_bwd(fn, inputs, p["dy"])
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<21} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
@@ -231,22 +204,14 @@ def main() -> None:
         plot(results, args.plot)
 
 
-def time_without_overlap(fn, inputs, dy):
-    """`time_fwd_bwd` with every pull of the NVLink path finished before the GEMM that reads it
-    (forward and backward: the switch is read in both)."""
-    ep_module.OVERLAP_PULL = False
-    try:
-        return time_fwd_bwd(fn, inputs, dy)
-    finally:
-        ep_module.OVERLAP_PULL = True
-
-
 def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, profile_nvlink: bool = False,
               impls: str | None = None) -> None:
     """One rank of the expert-parallel benchmark; rank 0 prints the slowest rank's numbers
     (and, with `profile_nvlink`, its kernel profile of the NVLink path). `impls`: a
     ';'-separated subset of the implementations (default: all)."""
     from megamoe_bwd.baseline import expert_mlps
+    from megamoe_bwd.ep import (all_to_all_moe, ep_mega_moe_deep_ep, ep_mega_moe_nccl, ep_mega_moe_nvlink,
+                                get_symm_buffer_for_mega_moe, make_deep_ep_buffer)
 
     def slowest(ms: float) -> float:
         value = torch.tensor([ms], device="cuda")
@@ -279,8 +244,6 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                 runs = {
                     "torchtitan a2a": lambda: time_fwd_bwd(all_to_all_moe, inputs, p["dy"]),
                     "ours, nvlink": lambda: time_fwd_bwd(lambda *a: ep_mega_moe_nvlink(*a, buffer), inputs, p["dy"]),
-                    "nvlink no overlap": lambda: time_without_overlap(lambda *a: ep_mega_moe_nvlink(*a, buffer),
-                                                                      inputs, p["dy"]),
                     "ours, a2a": lambda: time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     **({"ours, deep_ep": lambda: time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer),
                                                               inputs, p["dy"])} if deep_ep_buffer is not None else {}),

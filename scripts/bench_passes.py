@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from bench_common import require_sm90  # noqa: E402
 from deep_gemm.jit.runtime import stream_write_u32  # noqa: E402
-from deep_gemm.moe.layout import build_routing_layout  # noqa: E402
+from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.testing import bench_ms, warm_up_gpu  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOPK = 2048, 768, 128, 8
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
+    require_sm90("bench_passes.py", 2)  # the copy must come from another GPU (see above)
     world, tokens = args.world, args.tokens
     local = EXPERTS // world
     warm_up_gpu()
@@ -54,8 +56,6 @@ def main() -> None:
     h = torch.empty(runs.num_slots, 2 * INTER, device="cuda", dtype=torch.bfloat16)
     act = torch.empty(runs.num_slots, INTER, device="cuda", dtype=torch.bfloat16)
     flags = torch.ones(world, dtype=torch.int32, device="cuda")
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs a second GPU to copy from (see the module docstring)")
     src, dst = torch.empty(tokens, HIDDEN, device="cuda:1", dtype=torch.bfloat16), x[tokens:2 * tokens]
     side = torch.cuda.Stream()
 

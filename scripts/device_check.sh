@@ -2,13 +2,13 @@
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
 # Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,moe_bench by default; TEST_GROUPS picks
-# test groups): install,
-# compile every kernel variant in parallel, the GPU tests, HGMMA / local-memory check of every
-# cached kernel, compute-sanitizer memcheck and racecheck on a small case, the GEMM benchmark
-# (BENCH_ARGS), the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot. Every step runs under a hard
-# timeout so a hung kernel cannot eat the device lease. Logs go under $OUT (or ./device_out);
-# the benchmark table is printed last. Benchmarks that outrun their limit get SIGABRT first, so
-# faulthandler prints where every thread stood.
+# test groups): the offline editable install, imported from another directory; every kernel
+# variant compiled in parallel (python -m deep_gemm.precompile); the GPU tests; HGMMA /
+# local-memory check of every cached kernel; compute-sanitizer memcheck and racecheck on a small
+# case; the GEMM benchmark (BENCH_ARGS); the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot.
+# Every step runs under a hard timeout so a hung kernel cannot eat the device lease. Logs go
+# under $OUT (or ./device_out); the benchmark table is printed last. Benchmarks that outrun their
+# limit get SIGABRT first, so faulthandler prints where every thread stood.
 set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.jit_cache}
@@ -20,11 +20,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 nvcc --version | tail -1
 
-if has install; then
-  pip install -e . --no-deps --no-build-isolation -q 2>&1 | grep -v WARNING
+if has install; then  # as a user without network would: no dependencies, no build isolation
+  python3 -m pip install -e . --no-deps --no-build-isolation -q 2>&1 | grep -v WARNING
+  (cd /tmp && python3 -c "import deep_gemm, megamoe_bwd; print('installed:', deep_gemm.__file__, deep_gemm.mega_moe_backward.__module__)")
 fi
 if has precompile; then
-  python3 scripts/precompile.py > "$OUT/precompile.log" 2>&1 || tail -20 "$OUT/precompile.log"
+  python3 -m deep_gemm.precompile > "$OUT/precompile.log" 2>&1 || tail -20 "$OUT/precompile.log"
+  tail -1 "$OUT/precompile.log"
 fi
 if has tests; then
   # Groups run in separate processes under their own hard limits: a kernel that traps poisons

@@ -1,6 +1,11 @@
-"""A small run of every kernel variant (grouped GEMMs with and without row gathers, in passes,
-the MoE layer forward and backward, the combine with other GPUs' partial sums) for
-compute-sanitizer memcheck and racecheck."""
+"""A small run of every kernel variant (the grouped GEMMs with and without row gathers, in
+passes, the MoE layer forward and backward, the wait for other GPUs' partial sums and the
+combine that adds them) for compute-sanitizer memcheck and racecheck:
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_case.py
+
+Needs a Hopper GPU.
+"""
 import os
 import sys
 
@@ -9,13 +14,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
-from deep_gemm.moe import forward as moe_forward_module  # noqa: E402
-from deep_gemm.moe.glue import ep_wait_flags, moe_combine_bf16  # noqa: E402
-from deep_gemm.moe.layout import build_routing_layout  # noqa: E402
+from deep_gemm.moe import build_routing_layout  # noqa: E402
+from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
+require_sm90("sanitize_case.py")
 sizes = [0, 1, 130, 64, 70]
 offsets = offsets_from_sizes(sizes)
 rows = sum(sizes)
@@ -30,10 +36,8 @@ for config in m_grouped_bf16.all_configs():
                                                     a_row_index=row_index, config=config)
 b_swiglu = torch.randn(len(sizes), 256, 192, device="cuda", dtype=torch.bfloat16)  # 2I = 256
 h, act = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16), torch.empty(rows, 128, device="cuda", dtype=torch.bfloat16)
-for config in m_grouped_bf16.SWIGLU_CONFIGS:
-    for row_index in (None, index):
-        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(a, b_swiglu, h, act, offsets, a_row_index=row_index,
-                                                            config=config)
+for row_index in (None, index):
+    deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(a, b_swiglu, h, act, offsets, a_row_index=row_index)
 # The same rows as runs (group, pass) of 5 groups x 2 passes, flags already set (nothing to wait for).
 flags = torch.ones(2, dtype=torch.int32, device="cuda")
 run_offsets = offsets_from_sizes([0, 0, 1, 0, 60, 70, 30, 34, 0, 70])
@@ -43,16 +47,15 @@ for pass_range in ((1, 2), (0, 1)):  # one pass per launch
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.zeros(len(sizes), 192, 264, device="cuda", dtype=dtype)
     for config in k_grouped_bf16.all_configs(dtype):
-        for a_index, b_index in ((None, None), (index, None)) + (() if config.multicast_b else ((None, index),)):
-            for accumulate in (False, True):
-                deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=accumulate, a_row_index=a_index,
-                                                            b_row_index=b_index, config=config)
+        for accumulate in (False, True):
+            deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, d, w, offsets, accumulate=accumulate, config=config)
 
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
-for fused_gather in (False, True):
-    moe_forward_module.GATHER_ROWS = {"forward": fused_gather, "backward": fused_gather}
-    y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
-    mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+p = make_moe_inputs(100, 256, 64, 8, 4, device="cuda", empty_slot_frac=0.2)  # I = 64: SwiGLU after GEMM1
+y, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+mega_moe_backward(p["dy"], p["l1"], p["l2"], handle, weight_grad_dtype=torch.bfloat16)
 # The end of an exchange: the wait for other GPUs' flags (set already here), then the combine
 # adding their partial sums.
 ep_wait_flags(flags, flags.clone(), 1000)

@@ -21,8 +21,11 @@ def step(msg: str) -> None:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
+
+require_sm90("smoke.py")
 
 kind, sizes, d1, d2 = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
 config_idx = int(sys.argv[5]) if len(sys.argv) > 5 else None

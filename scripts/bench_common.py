@@ -1,0 +1,25 @@
+"""What the benchmark and check scripts share: the standard MoE shapes and the GPU check."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+MODELS = {  # name: (H, I, E, top-k, tokens per rank)
+    "30b": (2048, 768, 128, 8, 16384),  # Qwen3-30B-A3B
+    "235b": (4096, 1536, 128, 8, 16384),  # Qwen3-235B-A22B
+    "v3": (7168, 2048, 256, 8, 8192),  # DeepSeek-V3
+}
+
+
+def require_sm90(script: str, num_gpus: int = 1) -> None:
+    """Exits with one line on stderr (status 1) unless `num_gpus` Hopper GPUs (sm_90) are there."""
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < num_gpus:
+        sys.exit(f"{script} needs {num_gpus} NVIDIA Hopper GPU{'s' if num_gpus > 1 else ''} (sm_90: H100, H200); "
+                 f"{'this machine has no CUDA device' if found == 0 else f'found {found}'}")
+    for i in range(num_gpus):
+        if torch.cuda.get_device_capability(i) != (9, 0):
+            major, minor = torch.cuda.get_device_capability(i)
+            sys.exit(f"{script} needs NVIDIA Hopper GPUs (sm_90); GPU {i} is {torch.cuda.get_device_name(i)} "
+                     f"(sm_{major}{minor})")
