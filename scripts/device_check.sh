@@ -47,7 +47,8 @@ if has sass; then
   for d in "$DG_JIT_CACHE_DIR"/cache/sm90_*; do
     sass=$(cuobjdump --dump-sass "$d/kernel.cubin")
     echo "SASS $(basename "$d"): HGMMA=$(grep -c HGMMA <<<"$sass") local=$(grep -cE '\b(LDL|STL)\b' <<<"$sass")"
-  done | tee "$OUT/sass.log"
+  done > "$OUT/sass.log"
+  echo "SASS: $(wc -l < "$OUT/sass.log") GEMM cubins, $(grep -cE 'HGMMA=0 |local=[1-9]' "$OUT/sass.log") lack HGMMA or use local memory"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
