@@ -14,7 +14,7 @@ from .utils import get_num_sms, set_num_sms
 
 # The backward, the autograd layer and expert parallelism live in the sibling package
 # `megamoe_bwd`, which builds on this one. This hook re-exports them lazily, so deep_gemm's own
-# modules never import it (an upstream DeepGEMM checkout gets the same hook from patches/).
+# modules never import it.
 _REEXPORTS = {
     "mega_moe_backward": "megamoe_bwd",
     "mega_moe": "megamoe_bwd",

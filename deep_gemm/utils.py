@@ -29,7 +29,9 @@ def get_num_sms(device: Optional[int] = None) -> int:
     return total if _num_sms is None else min(_num_sms, total)
 
 
+@functools.lru_cache(maxsize=None)
 def print_configs_enabled() -> bool:
+    """DG_PRINT_CONFIGS, read once: launchers ask on every call."""
     return os.environ.get("DG_PRINT_CONFIGS", "0") not in ("", "0")
 
 

@@ -4,7 +4,7 @@ dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the we
 activation w * a and the routing-weight gradient <dA, a> -> dl2 = dy[rows]^T @ (w * a)
 (k-grouped) -> dx rows = dz @ l1[e] (m-grouped nn) -> combine over the K slots, with
 dl1 = dz^T @ x[rows] (k-grouped) on a side stream beside the last two. Token rows of dy and x
-are copied to routed order first: they feed two GEMMs each (docs/PERF.md, "Removed variants").
+are copied to routed order first: they feed two GEMMs each (docs/PERF.md, "Decisions": row gathers).
 
 The steps are building blocks of the expert-parallel backward too (megamoe_bwd.ep), which
 runs dA's GEMM and dx's GEMM in passes around the token exchange.
@@ -163,7 +163,8 @@ class SideStream:
 def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layout: RoutingLayout,
                        grads: WeightGrads) -> Iterator[torch.Tensor]:
     """Yields dx's routed rows ``[T * K, H] = dz @ l1[e]`` while dl1's GEMM runs on a side stream
-    (measured faster than after it at the same peak memory); the block's end joins it."""
+    (faster than after it at the same peak memory: docs/PERF.md, "Decisions"); the block's end
+    joins it."""
     with SideStream(dz.device) as side:
         side.run(lambda: dl1_gemm(dz, x, layout, grads))
         dx_rows = dz.new_empty(layout.num_slots, l1.shape[2])

@@ -1,6 +1,6 @@
 """``torch._grouped_mm`` MoE baseline (TorchTitan style).
 
-This is what users run today, and the yardstick of the accuracy bar (DESIGN.md): a kernel's
+This is what users run today, and the yardstick of the accuracy bar (docs/DESIGN.md): a kernel's
 error against the float64 reference must be no worse than 1.5x this baseline's. It is
 built from differentiable torch ops only, so autograd provides its backward.
 

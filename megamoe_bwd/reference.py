@@ -1,6 +1,6 @@
 """Plain-PyTorch reference MoE layer: the spec every kernel is judged against.
 
-Contract (see DESIGN.md, "The contract"), per rank with ``T`` tokens, hidden ``H``,
+Contract (docs/DESIGN.md, "The contract"), per rank with ``T`` tokens, hidden ``H``,
 expert intermediate ``I``, ``K`` slots per token and ``E`` experts:
 
 * ``x`` ``[T, H]``; ``topk_idx`` ``[T, K]`` int64 expert ids, ``-1`` = empty slot;

@@ -19,6 +19,9 @@ def gemm_rows(text: str) -> dict:
         m = re.match(r"(\w+)\s+(uniform|skewed)\s+(\S+(?: \S+)?)\s+[\d,]+\s+([\d.]+)\s+\d+\s+([\d.]+)", line)
         if m:
             rows[(m.group(1), m.group(2), m.group(3))] = float(m.group(4))
+        m = re.match(r"host launch overhead per call: ours ([\d.]+) us", line)
+        if m:
+            rows[("-", "-", "launch us")] = float(m.group(1))
     return rows
 
 
@@ -41,7 +44,7 @@ def main() -> None:
         parse = gemm_rows if kind == "gemm" else moe_rows
         for figure, ms in parse(log.read_text()).items():
             values[figure][tree].append(ms)
-    print(f"{'model':<5} {'route':<7} {'figure':<13} {'base ms':>9} {'new ms':>9} {'new/base':>8}  rounds")
+    print(f"{'model':<5} {'route':<7} {'figure':<13} {'base':>9} {'new':>9} {'new/base':>8}  rounds (ms; launch: us)")
     worst = 0.0
     for figure in sorted(values, key=lambda f: (f[0], f[1], f[2])):
         base, new = values[figure]["base"], values[figure]["new"]

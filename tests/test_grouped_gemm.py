@@ -415,7 +415,7 @@ def test_k_grouped_default_config_without_multicast(monkeypatch):
     (4096, 7168, torch.float32, False, "256t4"), (3072, 4096, torch.bfloat16, False, "256t4"),
     (1536, 2048, torch.float32, False, "256t"), (2048, 128, torch.float32, True, "128t")])
 def test_k_grouped_default_config(m, n, dtype, multicast, expected):
-    """Measured choices (PERF.md): B multicast for fp32 and for large bf16 outputs, else four
+    """Measured choices (docs/PERF.md, "Decisions"): B multicast for fp32 and for large bf16 outputs, else four
     staging buffers from 4M output elements on."""
     assert k_grouped_bf16.get_config(m, n, dtype, multicast).label == expected
 

@@ -210,6 +210,10 @@ def _bf16_problem(T=8, H=64, I=64, E=4, K=2):
     (lambda a: a.__setitem__(3, a[3][:, :64].contiguous()), ValueError, "weights do not match"),
     (lambda a: a.__setitem__(2, a[2][:, :1].contiguous()), ValueError, "must both be"),
     (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "contiguous"),
+    (lambda a: a.__setitem__(3, _misaligned(a[3])), ValueError, "16-byte aligned"),
+    (lambda a: a.append(torch.empty(8, 64)), TypeError, "y must have dtype"),
+    (lambda a: a.append(torch.empty(7, 64, dtype=torch.bfloat16)), ValueError, "y must be"),
+    (lambda a: a.append(_misaligned(torch.empty(8, 64, dtype=torch.bfloat16))), ValueError, "y must be 16-byte"),
     (lambda a: None, ValueError, "CUDA"),
 ])
 def test_forward_rejects_bad_input(mutate, error, match):

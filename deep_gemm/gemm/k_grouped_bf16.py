@@ -3,8 +3,8 @@
 Variants (`GemmConfig`): 128- or 256-wide tiles whose outputs leave through tensor stores
 staged in 2 or 4 buffers per warpgroup, 256-wide ones also in 2-CTA clusters sharing B's tile
 (B multicast); an accumulating bf16 output drains through row copies instead (tensor reduce-adds
-serve fp32 here). `get_config` picks by shape and dtype from the measurements in docs/PERF.md
-("Weight gradients").
+serve fp32 here). `get_config` picks by shape and dtype from the measurements docs/PERF.md lists under
+"Decisions".
 """
 from __future__ import annotations
 

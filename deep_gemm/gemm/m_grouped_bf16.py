@@ -154,10 +154,11 @@ def _launch(problem: _MGroupedProblem, config: GemmConfig, epilogue: str, act: O
     """Launches the kernel of `problem` with `config` and the `epilogue` policy (SwiGLU: `act`
     [m, n / 2] its second output)."""
     p = problem
-    name = {BF16_STORE: "nn" if p.b_mn_major else "nt", SWIGLU_STORE: "nt_swiglu"}[epilogue]
-    if print_configs_enabled() and (name, p.m, p.n, p.k, p.num_groups) not in _printed:
-        _printed.add((name, p.m, p.n, p.k, p.num_groups))
-        print(f"[deep_gemm] m_grouped_bf16_gemm_{name}: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {config.label}")
+    if print_configs_enabled():
+        name = "nt_swiglu" if epilogue == SWIGLU_STORE else ("nn" if p.b_mn_major else "nt")
+        if (name, p.m, p.n, p.k, p.num_groups) not in _printed:
+            _printed.add((name, p.m, p.n, p.k, p.num_groups))
+            print(f"[deep_gemm] m_grouped_bf16_gemm_{name}: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {config.label}")
     boxes = 2 if epilogue == SWIGLU_STORE else 1  # the SwiGLU tile's gate and up rows of B
     params = PARAMS.pack(
         tensor_map_a=make_tma_2d_desc(p.a, p.a.shape[0], p.k, 64, BLOCK_M),  # (gathered rows: prefetched, unused)

@@ -8,14 +8,15 @@ compile instead of corrupting a launch.
 """
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Sequence
 
 # field kind -> (size, alignment, struct format)
 _KINDS = {
-    "tensor_map": (128, 128, None),  # CUtensorMap: 128 opaque bytes, alignas(128) in CUDA 13's cuda.h
-    "ptr": (8, 8, "<Q"),
-    "u32": (4, 4, "<I"),
+    "tensor_map": (128, 128, "128s"),  # CUtensorMap: 128 opaque bytes, alignas(128) in CUDA 13's cuda.h
+    "ptr": (8, 8, "Q"),
+    "u32": (4, 4, "I"),
 }
 
 
@@ -28,30 +29,30 @@ class ParamsStruct:
         self.cpp_name = cpp_name
         self.offsets: dict[str, int] = {}
         self.kinds = dict(fields)
-        offset, align = 0, 1
+        offset, align, layout = 0, 1, "<"
         for name, kind in fields:
-            size, field_align, _ = _KINDS[kind]
-            offset = -(-offset // field_align) * field_align
-            self.offsets[name] = offset
+            size, field_align, code = _KINDS[kind]
+            padded = -(-offset // field_align) * field_align
+            layout += f"{padded - offset}x{code}" if padded > offset else code
+            self.offsets[name] = offset = padded
             offset += size
             align = max(align, field_align)
         self.size = -(-offset // align) * align
+        # One precompiled pack per launch: the launchers call `pack` on every GEMM.
+        self._struct = struct.Struct(layout + (f"{self.size - offset}x" if self.size > offset else ""))
+        assert self._struct.size == self.size
+        self._fields_of = operator.itemgetter(*self.offsets)
 
     def pack(self, **values) -> bytes:
-        """The struct's bytes; every field must be given, by name."""
-        missing, unknown = self.offsets.keys() - values.keys(), values.keys() - self.offsets.keys()
-        if missing or unknown:
-            raise TypeError(f"{self.cpp_name}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
-        data = bytearray(self.size)
-        for name, offset in self.offsets.items():
-            value, kind = values[name], self.kinds[name]
-            if kind == "tensor_map":
-                if len(value) != 128:
-                    raise ValueError(f"{self.cpp_name}.{name}: a tensor map is 128 bytes, got {len(value)}")
-                data[offset:offset + 128] = value
-            else:
-                struct.pack_into(_KINDS[kind][2], data, offset, value)
-        return bytes(data)
+        """The struct's bytes; every field must be given, by name (tensor maps as the 128 bytes
+        `deep_gemm.jit.tma` encodes)."""
+        try:
+            if len(values) != len(self.offsets):
+                raise KeyError
+            return self._struct.pack(*self._fields_of(values))
+        except KeyError:
+            missing, unknown = self.offsets.keys() - values.keys(), values.keys() - self.offsets.keys()
+            raise TypeError(f"{self.cpp_name}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}") from None
 
     def static_asserts(self) -> str:
         """C++ lines checking the struct's size and every field's offset (needs <cstddef>)."""

@@ -199,15 +199,16 @@ def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct
     """The kernel whose `extern "C"` entry `entry` runs ``kernel_type::run(params)``, `kernel_type`
     being a C++ kernel struct of ``deep_gemm/impls/<header>`` with its template arguments (e.g.
     ``deep_gemm::MoECombine<256>``); compiled once (disk-cached). The source asserts that the
-    struct `params` describes is laid out as the launcher packs it and that the kernel needs the
-    `smem_bytes` of dynamic shared memory the launch gives it (``kSmemBytes``)."""
+    struct `params` describes is laid out as the launcher packs it and, for a kernel with dynamic
+    shared memory, that it needs the `smem_bytes` the launch gives it (``Kernel::kSmemBytes``)."""
     source = (
         ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
         "#include <cstddef>\n"
         f"#include <deep_gemm/impls/{header}>\n\n"
         f"using Kernel = {kernel_type};\n"
         f"{params.static_asserts()}\n"
-        f'static_assert(Kernel::kSmemBytes == {smem_bytes}, "the launcher gives {smem_bytes} bytes of dynamic shared memory");\n\n'
+        + (f'static_assert(Kernel::kSmemBytes == {smem_bytes}, "the launcher gives {smem_bytes} bytes of dynamic '
+           'shared memory");\n' if smem_bytes else "") + "\n"
         f'extern "C" __global__ void __launch_bounds__({num_threads}, 1)\n'
         f"{entry}(const __grid_constant__ {params.cpp_name} p) {{\n"
         f"    Kernel::run(p);\n"

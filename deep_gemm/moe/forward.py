@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..gemm import m_grouped_bf16_gemm_nt_contiguous, m_grouped_bf16_gemm_nt_swiglu_contiguous
+from ..utils import check_tensor
 from .kernels import build_routing_layout, moe_combine_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout
 
@@ -24,7 +25,7 @@ class MegaMoEHandle:
     """What `mega_moe_backward` needs from the forward.
 
     It keeps the routing layout and GEMM1's output `h` (``[T * K, 2I]`` bf16) of every routed
-    slot: ``4 * I + 28`` bytes per (token, slot), e.g. 3100 bytes at I = 768. `x` is the
+    slot: ``4 * I + 21`` bytes per (token, slot), e.g. 3093 bytes at I = 768. `x` is the
     caller's tensor (not copied); the SwiGLU output is recomputed from `h` in the backward.
     `mega_moe_backward` consumes the handle (it overwrites `h` with its gradient and sets it to
     None) unless called with ``keep_handle=True``.
@@ -142,13 +143,14 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     16-byte aligned. No host synchronisation (unless `check_ids`); deterministic.
     """
     num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    if y is not None:
+        check_tensor("y", y, torch.bfloat16, 2)
+        if tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
+            raise ValueError(f"y must be [{num_tokens}, {hidden}] on {x.device}, got {list(y.shape)} on {y.device}")
     if not x.is_cuda:
         raise ValueError("bf16_mega_moe runs on CUDA tensors")
     if y is None:
         y = x.new_empty(num_tokens, hidden)
-    elif (not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 or tuple(y.shape) != (num_tokens, hidden)
-          or y.device != x.device or not y.is_contiguous() or y.data_ptr() % 16):
-        raise ValueError(f"y must be a contiguous, 16-byte aligned bf16 [{num_tokens}, {hidden}] tensor on {x.device}")
     check_expert_ids(topk_idx, num_experts, check_ids)
     x = dense_rows(x)
     layout = build_routing_layout(topk_idx, topk_weights, num_experts)

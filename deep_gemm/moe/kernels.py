@@ -26,7 +26,7 @@ _COMBINE = ParamsStruct("deep_gemm::MoECombineParams", [
 _GATHER_ROWS = ParamsStruct("deep_gemm::MoEGatherRowsParams", [
     ("src", "ptr"), ("row_token", "ptr"), ("out", "ptr"), ("num_rows", "ptr"), ("hidden", "u32")])
 _SWIGLU_FWD = ParamsStruct("deep_gemm::MoESwiGLUFwdParams", [
-    ("h", "ptr"), ("act", "ptr"), ("num_rows", "ptr"), ("inter", "u32")])
+    ("num_rows", "ptr"), ("h", "ptr"), ("act", "ptr"), ("inter", "u32")])
 _WAIT_FLAGS = ParamsStruct("deep_gemm::EpWaitFlagsParams", [
     ("flags", "ptr"), ("sources", "ptr"), ("num_flags", "u32"), ("timeout_ms", "u32")])
 _SWIGLU_BWD = ParamsStruct("deep_gemm::MoESwiGLUBwdParams", [

@@ -3,27 +3,22 @@
 // engine of this or another GPU, followed by a stream memory operation (the expert-parallel
 // exchange). Waiting on one needs no SM of the writer, so a waiting kernel may hold every SM.
 #include <cstdint>
+#include "../ptx/utils.cuh"
 
 namespace deep_gemm::comm {
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // Spins until the int at `flag` is non-zero, then makes the data it guards visible to this
 // thread's later loads, TMA ones included. After `timeout_ns` it calls `on_timeout()`, which
 // must not return (it traps), instead of hanging.
 template <typename OnTimeout>
 __device__ __forceinline__ void wait_global_flag(const int* flag, uint64_t timeout_ns, OnTimeout on_timeout) {
-    const uint64_t start = global_timer_ns();
+    const uint64_t start = ptx::global_timer_ns();
     while (true) {
         int value;
         asm volatile("ld.acquire.sys.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
         if (value != 0)
             break;
-        if (global_timer_ns() - start > timeout_ns)
+        if (ptx::global_timer_ns() - start > timeout_ns)
             on_timeout();
         __nanosleep(256);
     }

@@ -34,8 +34,6 @@ __device__ __forceinline__ void fail_waiting_for(int rank) {
 
 template <uint32_t kNumThreads>
 struct EpWaitFlags {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const EpWaitFlagsParams& p) {
         if (threadIdx.x != 0 or blockIdx.x != 0)
             return;

@@ -19,8 +19,6 @@ struct MoEGatherRowsParams {
 
 template <uint32_t kNumThreads>
 struct MoEGatherRows {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoEGatherRowsParams& p) {
         constexpr uint32_t kWarps = kNumThreads / 32;
         const uint32_t lane = threadIdx.x % 32, num_vecs = p.hidden / 8, num_rows = *p.num_rows;

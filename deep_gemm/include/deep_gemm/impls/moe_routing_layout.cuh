@@ -37,8 +37,6 @@ __device__ __forceinline__ uint32_t routing_key(const MoERoutingParams& p, uint3
 // One chunk of slots per warp.
 template <uint32_t kNumThreads>
 struct MoERoutingCount {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoERoutingParams& p) {
         __shared__ int counts[kNumThreads / 32][kRoutingMaxKeys];
         const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_keys = p.num_experts + 1;
@@ -93,8 +91,6 @@ __device__ __forceinline__ int block_exclusive_scan(int value, int& total) {
 // One CTA per key: an exclusive scan of the key's counts over the chunks (each thread a run).
 template <uint32_t kNumThreads>
 struct MoERoutingScan {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoERoutingParams& p) {
         int* counts = p.chunk_counts + static_cast<uint64_t>(blockIdx.x) * p.num_chunks;
         const uint32_t run = (p.num_chunks + kNumThreads - 1) / kNumThreads;
@@ -132,8 +128,6 @@ struct MoERoutingScan {
 // row for that key, plus the slots of that key before it in the chunk.
 template <uint32_t kNumThreads>
 struct MoERoutingPlace {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoERoutingParams& p) {
         __shared__ int counts[kNumThreads / 32][kRoutingMaxKeys];
         __shared__ int key_start[kRoutingMaxKeys];

@@ -26,8 +26,6 @@ struct MoESwiGLUBwdParams {
 
 template <uint32_t kNumThreads>
 struct MoESwiGLUBwd {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoESwiGLUBwdParams& p) {
         constexpr uint32_t kVec = ptx::kBF16PerVec, kNumWarps = kNumThreads / 32;
         __shared__ float warp_sums[kNumWarps];

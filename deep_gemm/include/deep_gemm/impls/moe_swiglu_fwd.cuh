@@ -9,16 +9,14 @@
 namespace deep_gemm {
 
 struct MoESwiGLUFwdParams {
+    const int* num_rows;     // on the GPU: the routed-row count (the layout's offsets[E])
     const __nv_bfloat16* h;  // [R, 2I]: gate | up
     __nv_bfloat16* act;      // [R, I]
-    const int* num_rows;     // on the GPU: the routed-row count (the layout's offsets[E])
     uint32_t inter;
 };
 
 template <uint32_t kNumThreads>
 struct MoESwiGLUFwd {
-    static constexpr uint32_t kSmemBytes = 0;  // no dynamic shared memory
-
     __device__ __forceinline__ static void run(const MoESwiGLUFwdParams& p) {
         constexpr uint32_t kVec = ptx::kBF16PerVec;
         const uint32_t chunks_per_row = p.inter / kVec;

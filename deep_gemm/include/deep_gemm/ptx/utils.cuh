@@ -10,6 +10,13 @@ __device__ __forceinline__ uint32_t lane_idx() {
     return lane;
 }
 
+// Nanoseconds of the GPU's global timer (coarse ticks): for timeouts.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Warp index that the compiler knows is uniform across the warp.
 __device__ __forceinline__ uint32_t warp_idx() {
     return __shfl_sync(0xffffffff, threadIdx.x / 32, 0);

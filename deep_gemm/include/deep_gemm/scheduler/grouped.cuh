@@ -20,7 +20,7 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
 // whole tiles: B, the weights, is larger), the tiles reading one column block of B come
 // together (M blocks fastest), otherwise those reading one row block of A (N blocks fastest; a
 // hot expert's rows). With few rows per group, M blocks fastest read each expert's weights from
-// HBM about once (DeepSeek-V3's GEMMs: 3-22% faster than N blocks fastest, PERF.md session 7).
+// HBM about once (docs/PERF.md, "Decisions": tile order).
 //
 // With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
 // entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
