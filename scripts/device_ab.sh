@@ -32,3 +32,4 @@ for round in $(seq 1 "$ROUNDS"); do
   echo "round $round done at ${SECONDS} s"
 done
 python3 scripts/ab_compare.py "$OUT" | tee "$OUT/ab.txt"
+(cd "$OUT" && tar -czf ab_logs.tgz ./*_gemm.log ./*_moe.log && rm ./*_gemm.log ./*_moe.log)  # one file comes back
