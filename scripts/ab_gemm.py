@@ -1,0 +1,108 @@
+"""Grouped GEMMs of this checkout against another checkout's, in one process: the other
+checkout's `deep_gemm` is imported under another name (the package imports itself only
+relatively), and each case alternates the two, call for call, over many rounds, so that the
+GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
+
+    python scripts/ab_gemm.py BASE_CHECKOUT [--models 30b,235b,v3] [--routing uniform,skewed] [--rounds 10]
+
+Prints per case the medians (ms) of each tree's per-round medians and new / base. Needs a Hopper GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from bench_common import MODELS, require_sm90  # noqa: E402
+from bench_gemm import gemm_cases  # noqa: E402
+from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, warm_up_gpu  # noqa: E402
+
+
+def import_checkout(path: str, name: str):
+    """The `deep_gemm` package of the checkout at `path`, as module `name`."""
+    package = os.path.join(os.path.abspath(path), "deep_gemm")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(package, "__init__.py"),
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_call(lib, kind: str, d1: int, d2: int, sizes: list, out_dtype: torch.dtype, inputs: dict):
+    """One GEMM of `bench_gemm.py`'s case through library `lib`, on shared inputs."""
+    rows, num_groups = sum(sizes), len(sizes)
+    if "offsets" not in inputs:
+        inputs["offsets"] = offsets_from_sizes(sizes)
+        if kind in ("nt", "nts", "ntg", "nn"):
+            n, k = d1, d2
+            inputs["a"] = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            inputs["b"] = torch.randn(num_groups, *((k, n) if kind == "nn" else (n, k)), device="cuda",
+                                      dtype=torch.bfloat16)
+            inputs["d"] = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            inputs["act"] = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
+            inputs["source"] = torch.randn(max(rows // 8, 1), k, device="cuda", dtype=torch.bfloat16)
+            inputs["index"] = torch.randint(0, inputs["source"].shape[0], (rows,), device="cuda")
+        else:
+            inputs["a"] = torch.randn(rows, d1, device="cuda", dtype=torch.bfloat16)
+            inputs["b"] = torch.randn(rows, d2, device="cuda", dtype=torch.bfloat16)
+            inputs["d"] = torch.empty(num_groups, d1, d2, device="cuda", dtype=out_dtype)
+    a, b, d, offsets = inputs["a"], inputs["b"], inputs["d"], inputs["offsets"]
+    if kind == "nt":
+        return lambda: lib.m_grouped_bf16_gemm_nt_contiguous(a, b, d, offsets)
+    if kind == "nn":
+        return lambda: lib.m_grouped_bf16_gemm_nn_contiguous(a, b, d, offsets)
+    if kind == "nts":
+        return lambda: lib.m_grouped_bf16_gemm_nt_swiglu_contiguous(a, b, d, inputs["act"], offsets)
+    if kind == "ntg":
+        return lambda: lib.m_grouped_bf16_gemm_nt_contiguous(inputs["source"], b, d, offsets, a_row_index=inputs["index"])
+    return lambda: lib.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base")
+    parser.add_argument("--models", default="30b,235b,v3")
+    parser.add_argument("--routing", default="uniform,skewed")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    require_sm90("ab_gemm.py")
+    base = import_checkout(args.base, "deep_gemm_base")
+    gen = torch.Generator().manual_seed(args.seed)
+    warm_up_gpu()
+    print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}", flush=True)
+    worst = 0.0
+    for model in args.models.split(","):
+        hidden, inter, experts, topk, tokens = MODELS[model]
+        for routing in args.routing.split(","):
+            sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
+            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden),
+                                                 ("wgrad2 fp32", "tn32", hidden, inter)]
+            for label, kind, d1, d2 in cases:
+                out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
+                kind = "tn" if kind == "tn32" else kind
+                inputs: dict = {}
+                calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
+                         "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
+                times = {"new": [], "base": []}
+                for r in range(args.rounds):
+                    for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
+                        times[tree].append(bench_ms(calls[tree], warmup=2, iters=10))
+                b, n = statistics.median(times["base"]), statistics.median(times["new"])
+                worst = max(worst, n / b)
+                print(f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}", flush=True)
+                del inputs, calls
+                torch.cuda.empty_cache()
+    print(f"worst new/base: {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
