@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from bench_common import MODELS, require_sm90  # noqa: E402
-from bench_gemm import gemm_cases  # noqa: E402
-from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, warm_up_gpu  # noqa: E402
+from bench_common import require_sm90  # noqa: E402
+from bench_gemm import all_cases  # noqa: E402
+from deep_gemm.testing import bench_ms, offsets_from_sizes, warm_up_gpu  # noqa: E402
 
 
 def import_checkout(path: str, name: str):
@@ -80,27 +80,19 @@ def main() -> None:
     warm_up_gpu()
     print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}", flush=True)
     worst = 0.0
-    for model in args.models.split(","):
-        hidden, inter, experts, topk, tokens = MODELS[model]
-        for routing in args.routing.split(","):
-            sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
-            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden),
-                                                 ("wgrad2 fp32", "tn32", hidden, inter)]
-            for label, kind, d1, d2 in cases:
-                out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
-                kind = "tn" if kind == "tn32" else kind
-                inputs: dict = {}
-                calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
-                         "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
-                times = {"new": [], "base": []}
-                for r in range(args.rounds):
-                    for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
-                        times[tree].append(bench_ms(calls[tree], warmup=2, iters=10))
-                b, n = statistics.median(times["base"]), statistics.median(times["new"])
-                worst = max(worst, n / b)
-                print(f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}", flush=True)
-                del inputs, calls
-                torch.cuda.empty_cache()
+    for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
+        inputs: dict = {}
+        calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
+                 "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
+        times = {"new": [], "base": []}
+        for r in range(args.rounds):
+            for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
+                times[tree].append(bench_ms(calls[tree], warmup=2, iters=10))
+        b, n = statistics.median(times["base"]), statistics.median(times["new"])
+        worst = max(worst, n / b)
+        print(f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}", flush=True)
+        del inputs, calls
+        torch.cuda.empty_cache()
     print(f"worst new/base: {worst:.3f}")
 
 

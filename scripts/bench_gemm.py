@@ -39,17 +39,30 @@ from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, 
 
 
 def gemm_cases(hidden: int, inter: int):
-    """(label, kind, N, K) for m-grouped and (label, kind, M, N) for k-grouped."""
+    """(label, kind, N, K, output dtype) for m-grouped and (label, kind, M, N, output dtype) for k-grouped."""
+    bf16, fp32 = torch.bfloat16, torch.float32
     return [
-        ("fwd1", "nt", 2 * inter, hidden),
-        ("fwd2", "nt", hidden, inter),
-        ("dgrad1", "nn", hidden, 2 * inter),
-        ("dgrad2", "nn", inter, hidden),
-        ("wgrad1", "tn", 2 * inter, hidden),
-        ("wgrad2", "tn", hidden, inter),
-        ("fwd1 gather", "ntg", 2 * inter, hidden),
-        ("fwd1 swiglu", "nts", 2 * inter, hidden),
+        ("fwd1", "nt", 2 * inter, hidden, bf16),
+        ("fwd2", "nt", hidden, inter, bf16),
+        ("dgrad1", "nn", hidden, 2 * inter, bf16),
+        ("dgrad2", "nn", inter, hidden, bf16),
+        ("wgrad1", "tn", 2 * inter, hidden, bf16),
+        ("wgrad2", "tn", hidden, inter, bf16),
+        ("fwd1 gather", "ntg", 2 * inter, hidden, bf16),
+        ("fwd1 swiglu", "nts", 2 * inter, hidden, bf16),
+        ("wgrad1 fp32", "tn", 2 * inter, hidden, fp32),
+        ("wgrad2 fp32", "tn", hidden, inter, fp32),
     ]
+
+
+def all_cases(models: str, routings: str, gen: torch.Generator):
+    """Every (model, routing, group sizes, case of `gemm_cases`) of the comma-separated lists."""
+    for model in models.split(","):
+        hidden, inter, experts, topk, tokens = MODELS[model]
+        for routing in routings.split(","):
+            sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
+            for case in gemm_cases(hidden, inter):
+                yield model, routing, sizes, case
 
 
 def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
@@ -176,25 +189,17 @@ def main() -> None:
         header += "  sweep ms: config label (GemmConfig.label)"
     lines = [header]
     print(header, flush=True)
-    for model in args.models.split(","):
-        hidden, inter, experts, topk, tokens = MODELS[model]
-        for routing in args.routing.split(","):
-            sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens, generator=gen)
-            cases = gemm_cases(hidden, inter) + [("wgrad1 fp32", "tn32", 2 * inter, hidden),
-                                                 ("wgrad2 fp32", "tn32", hidden, inter)]
-            for label, kind, d1, d2 in cases:
-                if args.only and label not in args.only.split(","):
-                    continue
-                out_dtype = torch.float32 if kind == "tn32" else torch.bfloat16
-                kind = "tn" if kind == "tn32" else kind
-                ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
-                shape = f"{tokens * topk},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
-                line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
-                        f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
-                if swept:
-                    line += "  " + " ".join(f"{c.label}:{ms:.3f}" for c, ms in swept.items())
-                lines.append(line)
-                print(line, flush=True)
+    for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
+        if args.only and label not in args.only.split(","):
+            continue
+        ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
+        shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
+        line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
+                f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
+        if swept:
+            line += "  " + " ".join(f"{c.label}:{ms:.3f}" for c, ms in swept.items())
+        lines.append(line)
+        print(line, flush=True)
     if args.launch_overhead:
         ours_us, torch_us = launch_overhead_us()
         lines.append(f"host launch overhead per call: ours {ours_us:.1f} us, torch._grouped_mm {torch_us:.1f} us")
