@@ -17,7 +17,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16
 from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
+from deep_gemm.moe import kernels
 from deep_gemm.moe.forward import MegaMoEHandle, dense_rows
 from deep_gemm.moe.kernels import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
 from deep_gemm.moe.layout import RoutingLayout
@@ -88,6 +90,18 @@ def weight_grads(l1: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype, dl1: Op
     return WeightGrads(g1, g2, acc1, acc2)
 
 
+def build_kernels(l1: torch.Tensor, l2: torch.Tensor, grads: WeightGrads) -> None:
+    """Compiles (or reads from the disk cache) every kernel the single-GPU backward launches, so
+    that a failing build stops it before it changes the handle or the gradients."""
+    (two_inter, hidden), inter, device = l1.shape[1:], l2.shape[2], l1.device.index
+    m_grouped_bf16.default_kernel(inter, True)  # dA
+    m_grouped_bf16.default_kernel(hidden, True)  # dx's rows
+    k_grouped_bf16.default_kernel(hidden, inter, grads.dl2.dtype, grads.accumulate_dl2, device)
+    k_grouped_bf16.default_kernel(two_inter, hidden, grads.dl1.dtype, grads.accumulate_dl1, device)
+    for name in ("moe_gather_rows", "moe_swiglu_bwd", "moe_combine"):
+        kernels.get_kernel(name)
+
+
 def swiglu_backward_and_dl2(handle: MegaMoEHandle, dy_rows: torch.Tensor, d_act: torch.Tensor, grads: WeightGrads,
                             keep_handle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """From dA = dy_rows @ l2[e] (`d_act` ``[T * K, I]``, before the routing weights): the SwiGLU
@@ -130,10 +144,11 @@ _side_streams: dict = {}
 
 
 class SideStream:
-    """Work beside the current stream: `run(fn)` queues `fn` on a side stream that first waits
-    for what the current stream queued so far. Leaving the block makes the current stream wait
-    for the side stream, also on an error, so nothing the side stream reads is freed early
-    (what it allocates comes from its own pool). On a CPU `run` just calls `fn`."""
+    """Work beside the current stream, as a block: entering it makes a side stream wait for what
+    the current stream has queued so far (the fork); `run(fn)` queues `fn` on the side stream;
+    leaving the block makes the current stream wait for the side stream, also on an error, so
+    nothing the side stream reads is freed early (what it allocates comes from its own pool).
+    On a CPU `run` just calls `fn`."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -147,11 +162,12 @@ class SideStream:
         if self.stream is None:
             fn()
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             fn()
 
     def __enter__(self) -> "SideStream":
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -195,13 +211,15 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],
         dl2 [E, H, I])``.
 
-    Every argument is checked before any work: a call that raises leaves the handle and the
-    caller's tensors as they were. dl2's GEMM runs before dx's rows are allocated, so that its
+    Every argument is checked, and every kernel built, before any work: a call that raises leaves
+    the handle and the caller's tensors as they were. dl2's GEMM runs before dx's rows are allocated, so that its
     operands are freed first; dl1's runs on a side stream beside the dx GEMM and combine.
     """
     check_backward_args(dy, l1, l2, handle, weight_grad_dtype, dl1, dl2, keep_handle)
     layout, x = handle.layout, handle.x
     grads = weight_grads(l1, l2, weight_grad_dtype, dl1, dl2)
+    if dy.is_cuda:
+        build_kernels(l1, l2, grads)
     dz, row_dw = backward_to_dz(dy, l2, handle, grads, keep_handle)
     with dx_rows_beside_dl1(dz, l1, x, layout, grads) as dx_rows:
         dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))

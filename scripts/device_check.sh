@@ -16,6 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 STEPS=${STEPS:-install,precompile,tests,sass,sanitizer,bench,moe_bench}
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
+python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import require_sm90; require_sm90('device_check.sh')" || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 nvcc --version | tail -1

@@ -81,6 +81,13 @@ def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) -> 
                         config.smem_bytes, config.cluster_size)
 
 
+def default_kernel(m: int, n: int, out_dtype: torch.dtype, accumulate: bool, device: int) -> Kernel:
+    """The kernel a call with outputs ``[G, m, n]`` of `out_dtype` runs without `config` on
+    `device`, compiled (or read from the disk cache) now: callers that must not fail halfway
+    build their kernels first."""
+    return get_kernel(get_config(m, n, out_dtype, multicast_b=get_num_sms(device) >= 2), out_dtype, accumulate)
+
+
 _printed: set = set()
 
 

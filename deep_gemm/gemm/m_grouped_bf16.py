@@ -28,7 +28,7 @@ PARAMS = ParamsStruct("deep_gemm::MGroupedGemmParams", [
     ("a_rows", "u32"), ("num_passes", "u32"), ("pass_begin", "u32"), ("pass_end", "u32")])
 
 # Producer policies (producer/rows.cuh) and epilogue policies (epilogue/m_grouped.cuh).
-TMA_ROWS, GATHERED_ROWS = "deep_gemm::producer::TmaRows", "deep_gemm::producer::GatheredRows"
+TMA_ROWS, GATHERED_ROWS = "TmaRows", "GatheredRows"
 BF16_STORE, SWIGLU_STORE = "BF16TensorStore", "SwiGLUTensorStore"
 _KERNEL_B_MAJOR = {False: "deep_gemm::mma::Major::kKMajor", True: "deep_gemm::mma::Major::kMNMajor"}
 
@@ -57,9 +57,15 @@ SWIGLU_CONFIG = make_m_grouped_config(256)  # a tile pairs 128 gate with 128 up 
 @functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, b_mn_major: bool, producer: str, epilogue: str) -> Kernel:
     kernel_type = (f"deep_gemm::Sm90BF16MGroupedGemm<{config.block_n}, {config.num_stages}, {_KERNEL_B_MAJOR[b_mn_major]}, "
-                   f"{producer}, deep_gemm::epilogue::{epilogue}<{config.block_n}>>")
+                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{epilogue}<{config.block_n}>>")
     return build_kernel("sm90_bf16_m_grouped_gemm.cuh", "dg_sm90_bf16_m_grouped_gemm", kernel_type, PARAMS,
                         NUM_THREADS, config.smem_bytes)
+
+
+def default_kernel(n: int, b_mn_major: bool, producer: str = TMA_ROWS, epilogue: str = BF16_STORE) -> Kernel:
+    """The kernel a call of output width `n` runs without `config`, compiled (or read from the
+    disk cache) now: callers that must not fail halfway build their kernels first."""
+    return get_kernel(SWIGLU_CONFIG if epilogue == SWIGLU_STORE else get_config(n), b_mn_major, producer, epilogue)
 
 
 @dataclass

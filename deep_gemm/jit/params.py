@@ -41,7 +41,8 @@ class ParamsStruct:
         # One precompiled pack per launch: the launchers call `pack` on every GEMM.
         self._struct = struct.Struct(layout + (f"{self.size - offset}x" if self.size > offset else ""))
         assert self._struct.size == self.size
-        self._fields_of = operator.itemgetter(*self.offsets)
+        names = list(self.offsets)
+        self._fields_of = operator.itemgetter(*names) if len(names) > 1 else lambda values: (values[names[0]],)
 
     def pack(self, **values) -> bytes:
         """The struct's bytes; every field must be given, by name (tensor maps as the 128 bytes

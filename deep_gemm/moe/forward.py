@@ -26,7 +26,8 @@ class MegaMoEHandle:
 
     It keeps the routing layout and GEMM1's output `h` (``[T * K, 2I]`` bf16) of every routed
     slot: ``4 * I + 21`` bytes per (token, slot), e.g. 3093 bytes at I = 768. `x` is the
-    caller's tensor (not copied); the SwiGLU output is recomputed from `h` in the backward.
+    caller's tensor (copied only if its rows were not dense and 16-byte aligned); the SwiGLU
+    output is recomputed from `h` in the backward.
     `mega_moe_backward` consumes the handle (it overwrites `h` with its gradient and sets it to
     None) unless called with ``keep_handle=True``.
     """
@@ -143,6 +144,9 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     16-byte aligned. No host synchronisation (unless `check_ids`); deterministic.
     """
     num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    for name, flag in (("training", training), ("check_ids", check_ids)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if y is not None:
         check_tensor("y", y, torch.bfloat16, 2)
         if tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:

@@ -13,7 +13,7 @@ import torch
 
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
-from ..utils import check_cuda_devices, get_num_sms
+from ..utils import check_cuda_devices, check_tensor, get_num_sms
 from .layout import RoutingLayout, build_routing_layout_torch
 
 _ROUTING = ParamsStruct("deep_gemm::MoERoutingParams", [
@@ -74,10 +74,10 @@ def _routed_rows_ptr(offsets: torch.Tensor) -> int:
 
 
 def _check_bf16(**tensors: torch.Tensor) -> None:
-    # The kernels use 16-byte vector accesses on flat, contiguous rows.
+    """The kernels use 16-byte vector accesses on flat, contiguous bf16 rows of one device."""
     for name, t in tensors.items():
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cuda or t.data_ptr() % 16:
-            raise ValueError(f"{name} must be a contiguous, 16-byte aligned bf16 CUDA tensor")
+        check_tensor(name, t, torch.bfloat16, t.dim() if isinstance(t, torch.Tensor) else 2)
+    check_cuda_devices(**tensors)
 
 
 def build_routing_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> RoutingLayout:
@@ -206,12 +206,16 @@ def moe_swiglu_bwd_bf16(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLay
     (contiguous, shaped like h and d_act); they may be h and d_act themselves (each element is
     read before it is overwritten, by the same thread).
     """
+    _check_bf16(h=h, d_act=d_act)
+    rows, inter = d_act.shape
+    if h.dim() != 2 or tuple(h.shape) != (rows, 2 * inter) or inter % 8 or rows != layout.num_slots:
+        raise ValueError(f"h must be [{layout.num_slots}, 2I] and d_act [{layout.num_slots}, I] with I a multiple of 8, "
+                         f"got {tuple(h.shape)} and {tuple(d_act.shape)}")
     dz = torch.empty_like(h) if dz is None else dz
     act_weighted = torch.empty_like(d_act) if act_weighted is None else act_weighted
-    _check_bf16(h=h, d_act=d_act, dz=dz, act_weighted=act_weighted)
+    _check_bf16(dz=dz, act_weighted=act_weighted)
     if dz.shape != h.shape or act_weighted.shape != d_act.shape:
         raise ValueError(f"dz must be shaped like h {tuple(h.shape)}, act_weighted like d_act {tuple(d_act.shape)}")
-    rows, inter = d_act.shape
     row_dw = torch.empty(rows, device=h.device, dtype=torch.float32)
     if rows:
         _launch("moe_swiglu_bwd", h.device.index, h=h.data_ptr(), d_act=d_act.data_ptr(),

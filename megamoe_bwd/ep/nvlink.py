@@ -1,4 +1,4 @@
-"""Our expert-parallel MoE over NVLink, version 2: the token exchange overlaps the GEMMs.
+"""Our expert-parallel MoE over NVLink: the token exchange overlaps the GEMMs.
 
 Forward:  stage x, top-k ids and weights in this rank's buffer -> plan (token counts; one
           barrier) -> read every rank's top-k ids, build the layout of this rank's experts over
@@ -10,9 +10,9 @@ Forward:  stage x, top-k ids and weights in this rank's buffer -> plan (token co
           -> one combine sums this rank's tokens over its own experts plus what the others sent
           (waiting for their flags on the GPU).
 Backward: stage dy -> barrier -> the copy engines pull the other ranks' dy while dA's GEMM
-          (gathering rows) works pass by pass on the same arrival flags -> the rest of the
-          single-GPU backward (weight gradients on a side stream), dx's GEMM sending the other
-          ranks' dx sums (and routing-weight gradients) the same way as the forward's GEMM2.
+          (gathering rows) works pass by pass on the same arrival flags -> the single-GPU
+          backward's steps (dl1's GEMM on a side stream beside dx's), dx's GEMM sending the
+          other ranks' dx sums (and routing-weight gradients) the same way as the forward's GEMM2.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
 NCCL, no host synchronisation, one barrier per exchange. The exchange itself: exchange.py.
 """
@@ -127,7 +127,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
                        l2: torch.Tensor, buffer: SymmBuffer) -> torch.Tensor:
     """This rank's ``y [T, H]`` of an MoE layer whose experts are spread over the buffer's
-    group, exchanging tokens through `buffer` (`deep_gemm.get_symm_buffer_for_mega_moe`).
+    group, exchanging tokens through `buffer` (`megamoe_bwd.ep.get_symm_buffer_for_mega_moe`).
     Differentiable: gradients reach x and topk_weights (on this rank) and this rank's l1, l2.
 
     Args:
@@ -142,6 +142,10 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     Expert ids outside ``[-1, E)`` fail an asynchronous device assert (a ValueError on the CPU).
     """
     num_tokens, hidden, _, num_local, num_topk = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    if not isinstance(buffer, SymmBuffer):
+        raise TypeError(f"buffer must be a SymmBuffer (get_symm_buffer_for_mega_moe), got {type(buffer).__name__}")
+    if x.device != buffer.local["x"].device:
+        raise ValueError(f"the inputs are on {x.device}, the buffer on {buffer.local['x'].device}")
     buffer.check_fits(num_tokens, num_topk, hidden)
     if num_local != buffer.num_local_experts:
         raise ValueError(f"l1 holds {num_local} experts; the buffer splits {buffer.num_experts} experts over "

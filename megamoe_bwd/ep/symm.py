@@ -169,6 +169,8 @@ def get_symm_buffer_for_mega_moe(group: Optional[dist.ProcessGroup], num_experts
 
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if num_experts % world:
+        raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
     nbytes = SymmBuffer.nbytes(world, num_max_tokens_per_rank, num_topk, hidden)
     storage = symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
     handle = symm_mem.rendezvous(storage, group.group_name)

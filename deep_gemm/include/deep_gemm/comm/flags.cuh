@@ -1,7 +1,7 @@
 #pragma once
-// Flags in global memory that another agent sets once the data they guard has landed: a copy
-// engine of this or another GPU, followed by a stream memory operation (the expert-parallel
-// exchange). Waiting on one needs no SM of the writer, so a waiting kernel may hold every SM.
+// Flags in global memory that another agent sets once the data they guard has landed: a stream
+// memory operation after a copy that needs no SM of this GPU (from another GPU's memory or from
+// pinned host memory: the expert-parallel exchange). So a waiting kernel may hold every SM.
 #include <cstdint>
 #include "../ptx/utils.cuh"
 

@@ -1,8 +1,5 @@
 #pragma once
 // SwiGLU, a = silu(g) * u, and its derivative, in fp32.
-#include <cstdint>
-#include <cuda_bf16.h>
-#include "../ptx/utils.cuh"
 
 namespace deep_gemm::epilogue {
 

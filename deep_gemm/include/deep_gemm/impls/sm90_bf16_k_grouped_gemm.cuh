@@ -16,7 +16,8 @@
 
 namespace deep_gemm {
 
-struct KGroupedGemmParams {
+// alignas(128): the size the launcher packs whether cuda.h aligns CUtensorMap to 128 (CUDA 13) or 64.
+struct alignas(128) KGroupedGemmParams {
     CUtensorMap tensor_map_a;  // A [rows, M]; box {64 (M), 64 rows}
     CUtensorMap tensor_map_b;  // B [rows, N]; box {64 (N), 64 rows}
     CUtensorMap tensor_map_d;  // D [G, M, N]; box {128 bytes of N, 64 (M), 1} (epilogue::TensorStores)

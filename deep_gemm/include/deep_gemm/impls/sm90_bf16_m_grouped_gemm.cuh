@@ -18,7 +18,8 @@
 
 namespace deep_gemm {
 
-struct MGroupedGemmParams {
+// alignas(128): the size the launcher packs whether cuda.h aligns CUtensorMap to 128 (CUDA 13) or 64.
+struct alignas(128) MGroupedGemmParams {
     CUtensorMap tensor_map_a;    // A [M, K]; box {64 (K), 128 rows} (producer::TmaRows)
     CUtensorMap tensor_map_b;    // K-major: [G * N, K], box {64, BLOCK_N / Columns::kNumBoxes}; MN-major: [G * K, N], box {64, 64}
     CUtensorMap tensor_map_d;    // D as [1, M, N]; box {64 (N), 64 rows, 1}
