@@ -1,13 +1,18 @@
 """Swaps every kernel the MoE orchestration calls for its PyTorch emulation
 (`deep_gemm.testing.emulate`), in every module of deep_gemm and megamoe_bwd that holds it, so
-the orchestration runs on a CPU in any dtype."""
+the orchestration runs on a CPU in any dtype; and `emulated_mega_moe`, the differentiable layer
+on that path."""
 import sys
 from typing import Callable
 
+import torch
+
 import deep_gemm
 import megamoe_bwd  # noqa: F401  (imports the modules that hold kernels, the EP ones included)
-from deep_gemm.moe import kernels
+from deep_gemm.moe import MegaMoEHandle, build_routing_layout, kernels
+from deep_gemm.moe.forward import moe_forward
 from deep_gemm.testing import emulate
+from megamoe_bwd import mega_moe_backward
 
 # (kernel, its emulation): every kernel the orchestration calls.
 PAIRS = [
@@ -33,3 +38,28 @@ def patch_kernels(setattr_fn: Callable = setattr) -> None:
         for attr, value in list(vars(module).items()):
             if id(value) in emulation_of:
                 setattr_fn(module, attr, emulation_of[id(value)])
+
+
+class EmulatedMegaMoE(torch.autograd.Function):
+    """`megamoe_bwd.mega_moe` on the CPU, in any dtype: the layer's own orchestration (routing
+    layout, `moe_forward`, `mega_moe_backward`) on the kernels' emulations (`patch_kernels` first)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, l1, l2):
+        layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
+        y = torch.empty_like(x)
+        ctx.handle = MegaMoEHandle(layout, x.contiguous(), moe_forward(x.contiguous(), layout, topk_weights, l1, l2, y))
+        ctx.save_for_backward(l1, l2)
+        ctx.weights_dtype = topk_weights.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        l1, l2 = ctx.saved_tensors
+        dx, dtopk_weights, dl1, dl2 = mega_moe_backward(dy.contiguous(), l1, l2, ctx.handle, weight_grad_dtype=l1.dtype)
+        return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2
+
+
+def emulated_mega_moe(x, topk_idx, topk_weights, l1, l2):
+    """`megamoe_bwd.mega_moe`'s signature, on `EmulatedMegaMoE`."""
+    return EmulatedMegaMoE.apply(x, topk_idx, topk_weights, l1, l2)

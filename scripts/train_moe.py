@@ -1,0 +1,146 @@
+"""Trains a Qwen3-MoE model from transformers with each experts backend in turn (transformers'
+default, `grouped_mm`, and ours, `megamoe`), on the same seed, weights and batches, and
+compares them.
+
+The model is built from a config (no downloads): `--layers` decoder layers, each with the
+Qwen3-30B-A3B MoE (H 2048, I 768, 128 experts, top-8, norm_topk_prob) and its SDPA attention
+(32 heads, 4 KV heads, head dim 128), bf16 parameters and AdamW. The text is real and offline:
+the Python documentation CPython ships (`pydoc_data`), as UTF-8 bytes (a 256-symbol byte
+tokenizer). Each step trains on `--tokens` tokens in sequences of `--seq`.
+
+Prints per backend tokens/s, step ms (median, min, max; the first step, which compiles
+kernels, apart), peak memory and the speed over the first backend; writes a PNG of the loss
+curves and step times (`--plot`). Needs a Hopper GPU.
+
+    python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_common import require_sm90  # noqa: E402
+
+
+def load_text() -> torch.Tensor:
+    """The bytes of CPython's documentation topics (about 0.47 MB of English), as int64 token ids."""
+    import pydoc_data.topics
+    text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+
+
+def batch(data: torch.Tensor, step: int, batch_size: int, seq: int) -> torch.Tensor:
+    """The `step`-th batch ``[batch_size, seq]``: consecutive windows of the text, wrapping around."""
+    starts = [((step * batch_size + b) * seq) % (data.numel() - seq) for b in range(batch_size)]
+    return torch.stack([data[s:s + seq] for s in starts])
+
+
+def make_model(layers: int, backend: str, seed: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                            tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):  # the same seed and device give every backend the same weights
+        model = Qwen3MoeForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.set_experts_implementation(backend)
+    return model.train()
+
+
+def train(backend: str, args, data: torch.Tensor) -> dict:
+    """Losses, step ms and peak memory of `args.steps` steps with experts `backend`."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = make_model(args.layers, backend, args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    batch_size = args.tokens // args.seq
+    losses, times = [], []
+    for step in range(args.steps):
+        tokens = batch(data, step, batch_size, args.seq).cuda(non_blocking=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end.record()
+        losses.append(loss.item())  # (synchronises: the same for every backend)
+        times.append(start.elapsed_time(end))
+        print(f"\r{backend:<12} step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}  {times[-1]:7.1f} ms",
+              end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    peak = torch.cuda.max_memory_allocated()
+    del model, optimizer
+    gc.collect()
+    return {"losses": losses, "times": times, "peak": peak}
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for backend, r in results.items():
+        loss_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=backend)
+        time_ax.plot(range(2, len(r["times"]) + 1), r["times"][1:], label=backend)
+    loss_ax.set(xlabel="step", ylabel="training loss", title="loss")
+    time_ax.set(xlabel="step", ylabel="ms per step (forward, backward, AdamW)", title="step time (first step left out)")
+    for ax in (loss_ax, time_ax):
+        ax.legend()
+    fig.suptitle(f"Qwen3-MoE, 30B-A3B MoE shape, on {torch.cuda.get_device_name()}")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length (divides --tokens)")
+    parser.add_argument("--backends", default="grouped_mm,megamoe", help="experts backends, the first is the baseline")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="train_moe.png")
+    args = parser.parse_args()
+    require_sm90("train_moe.py")
+    if args.tokens % args.seq:
+        sys.exit(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
+    import megamoe_bwd.integrations.transformers  # noqa: F401  (registers "megamoe")
+
+    data = load_text()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  text: {data.numel()} bytes (pydoc_data)")
+    results = {}
+    for backend in args.backends.split(","):
+        wall = time.perf_counter()
+        results[backend] = train(backend, args, data)
+        results[backend]["wall"] = time.perf_counter() - wall
+    base = args.backends.split(",")[0]
+    base_median = statistics.median(results[base]["times"][1:])
+    lines = [f"{'backend':<12} {'tokens/s':>9} {'median ms':>10} {'min':>8} {'max':>8} {'first ms':>9} {'peak GB':>8} "
+             f"{'speed':>6} {'final loss':>10} {'max loss diff':>13}"]
+    for backend, r in results.items():
+        median = statistics.median(r["times"][1:])
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], results[base]["losses"]))
+        lines.append(f"{backend:<12} {args.tokens / median * 1e3:>9.0f} {median:>10.1f} {min(r['times'][1:]):>8.1f} "
+                     f"{max(r['times'][1:]):>8.1f} {r['times'][0]:>9.1f} {r['peak'] / 2**30:>8.2f} "
+                     f"{base_median / median:>5.2f}x {r['losses'][-1]:>10.4f} {100 * diff:>12.2f}%")
+    print(f"{args.layers} layers, {args.tokens} tokens per step ({args.tokens // args.seq} x {args.seq}), {args.steps} "
+          f"steps; max loss diff: the largest relative difference from {base}'s loss at any step")
+    print("\n".join(lines))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
