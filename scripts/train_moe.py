@@ -4,7 +4,7 @@ compares them.
 
 The model is built from a config (no downloads): `--layers` decoder layers, each with the
 Qwen3-30B-A3B MoE (H 2048, I 768, 128 experts, top-8, norm_topk_prob) and its SDPA attention
-(32 heads, 4 KV heads, head dim 128), bf16 parameters and AdamW. The text is real and offline:
+(32 heads, 4 KV heads, head dim 128), bf16 parameters, AdamW with a linear warm-up and gradient clipping. The text is real and offline:
 the Python documentation CPython ships (`pydoc_data`), as UTF-8 bytes (a 256-symbol byte
 tokenizer). Each step trains on `--tokens` tokens in sequences of `--seq`.
 
@@ -62,6 +62,7 @@ def train(backend: str, args, data: torch.Tensor) -> dict:
     torch.cuda.reset_peak_memory_stats()
     model = make_model(args.layers, backend, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     batch_size = args.tokens // args.seq
     losses, times = [], []
     for step in range(args.steps):
@@ -70,7 +71,9 @@ def train(backend: str, args, data: torch.Tensor) -> dict:
         start.record()
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         end.record()
         losses.append(loss.item())  # (synchronises: the same for every backend)
@@ -109,7 +112,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (divides --tokens)")
     parser.add_argument("--backends", default="grouped_mm,megamoe", help="experts backends, the first is the baseline")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, after a linear warm-up")
+    parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="train_moe.png")
     args = parser.parse_args()

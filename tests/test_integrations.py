@@ -6,8 +6,8 @@ experts' eager forward and every gradient (input, router, both weights), a gate/
 fail that comparison, ids of E or more are empty slots, and what the layer cannot run is refused.
 The TorchTitan module equals TorchTitan's math and keeps its state-dict keys.
 GPU: training steps of a small Qwen3-MoE with transformers' default experts backend and ours
-(loss and gradients within the accuracy bar against float64), under torch.compile and with
-gradient checkpointing; the TorchTitan module within the bar.
+(logits and gradients within the accuracy bar against float64, losses within 2%), under
+torch.compile and with gradient checkpointing; the TorchTitan module within the bar.
 """
 from __future__ import annotations
 
@@ -238,21 +238,30 @@ def test_training_steps_match_the_default_backend():
 
 
 @requires_sm90
-def test_torch_compile_and_gradient_checkpointing():
+def test_torch_compile():
+    """The model compiled, backward included, computes what it computes eagerly (up to bf16
+    rounding: inductor fuses the other layers' ops differently)."""
     tokens = torch.randint(0, 256, (2, 128), device="cuda")
     model = _small_model(hf_backend.NAME)
     eager_loss, _, eager_grads = _loss_and_grads(model, tokens)
     compiled = _with_backend(model, hf_backend.NAME)
     compiled.forward = torch.compile(compiled.forward)
     loss, _, grads = _loss_and_grads(compiled, tokens)
-    assert relative_error(loss.reshape(1), eager_loss.reshape(1)) < 1e-2
-    assert relative_error(grads, eager_grads) < 2e-2
+    loss_err, grads_err = relative_error(loss.reshape(1), eager_loss.reshape(1)), relative_error(grads, eager_grads)
+    assert loss_err < 1e-2 and grads_err < 2e-2, f"loss {loss.item()} vs {eager_loss.item()}, gradients' error {grads_err:.2e}"
+
+
+@requires_sm90
+def test_gradient_checkpointing():
+    tokens = torch.randint(0, 256, (2, 128), device="cuda")
+    model = _small_model(hf_backend.NAME)
+    eager_loss, _, eager_grads = _loss_and_grads(model, tokens)
     checkpointed = _with_backend(model, hf_backend.NAME)
     checkpointed.gradient_checkpointing_enable()
     checkpointed.train()
     loss, _, grads = _loss_and_grads(checkpointed, tokens)  # (attention's backward need not be bitwise repeatable)
-    assert relative_error(loss.reshape(1), eager_loss.reshape(1)) < 1e-3
-    assert relative_error(grads, eager_grads) < 1e-2
+    loss_err, grads_err = relative_error(loss.reshape(1), eager_loss.reshape(1)), relative_error(grads, eager_grads)
+    assert loss_err < 1e-3 and grads_err < 1e-2, f"loss {loss.item()} vs {eager_loss.item()}, gradients' error {grads_err:.2e}"
 
 
 @requires_sm90
