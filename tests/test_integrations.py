@@ -79,6 +79,34 @@ def test_backend_matches_the_eager_experts(emulated_layer):
         assert relative_error(ours[name], eager[name]) < 1e-10, name
 
 
+@pytest.mark.parametrize("config_class,model_class", [
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    ("MixtralConfig", "MixtralForCausalLM"), ("OlmoeConfig", "OlmoeForCausalLM")])
+def test_whole_models_match_their_eager_experts(emulated_layer, config_class, model_class):
+    """One layer of each architecture, float64: logits and every parameter's gradient."""
+    config = getattr(transformers, config_class)()
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                 shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+    for key, value in sizes.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).double()
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.1)
+    tokens = torch.randint(0, 256, (2, 9))
+    results = {}
+    for backend in ("eager", hf_backend.NAME):
+        model.set_experts_implementation(backend)
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        results[backend] = (out.logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for i, name in enumerate(("logits", "gradients")):
+        assert relative_error(results[hf_backend.NAME][i], results["eager"][i]) < 1e-10, name
+
+
 def test_a_gate_up_swap_fails_the_comparison(emulated_layer):
     """The comparison above has the power to see the layout: with the gate and up rows of each
     expert swapped for our side only, the outputs disagree."""
@@ -239,16 +267,20 @@ def test_training_steps_match_the_default_backend():
 
 @requires_sm90
 def test_torch_compile():
-    """The model compiled, backward included, computes what it computes eagerly (up to bf16
-    rounding: inductor fuses the other layers' ops differently)."""
+    """The model compiled, backward included, meets the accuracy bar: its logits and gradients
+    within 1.5x the eager default backend's error against float64 (inductor fuses the other
+    layers' bf16 ops, so compiled and eager differ by about bf16's rounding)."""
     tokens = torch.randint(0, 256, (2, 128), device="cuda")
     model = _small_model(hf_backend.NAME)
-    eager_loss, _, eager_grads = _loss_and_grads(model, tokens)
+    _, reference_logits, reference_grads = _loss_and_grads(_with_backend(model, "eager", torch.float64), tokens)
+    _, base_logits, base_grads = _loss_and_grads(_with_backend(model, "grouped_mm"), tokens)
     compiled = _with_backend(model, hf_backend.NAME)
     compiled.forward = torch.compile(compiled.forward)
-    loss, _, grads = _loss_and_grads(compiled, tokens)
-    loss_err, grads_err = relative_error(loss.reshape(1), eager_loss.reshape(1)), relative_error(grads, eager_grads)
-    assert loss_err < 1e-2 and grads_err < 2e-2, f"loss {loss.item()} vs {eager_loss.item()}, gradients' error {grads_err:.2e}"
+    _, logits, grads = _loss_and_grads(compiled, tokens)
+    for name, ours, base, ref in (("logits", logits, base_logits, reference_logits),
+                                  ("gradients", grads, base_grads, reference_grads)):
+        ours_err, base_err = relative_error(ours, ref), relative_error(base, ref)
+        assert ours_err <= 1.5 * base_err + 1e-6, f"{name}: compiled {ours_err:.2e} vs eager default {base_err:.2e}"
 
 
 @requires_sm90

@@ -41,7 +41,7 @@ def unsupported(experts: torch.nn.Module) -> list[str]:
         problems.append("experts without a gate")
     elif getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         problems.append(f"a custom gate ({type(experts).__name__}._apply_gate, e.g. a clamped SwiGLU)")
-    elif not isinstance(act, (SiLUActivation, torch.nn.SiLU)):
+    elif not (isinstance(act, (SiLUActivation, torch.nn.SiLU)) or act is torch.nn.functional.silu):
         problems.append(f"the activation {type(act).__name__} (the layer computes silu(gate) * up)")
     for name in ("gate_up_proj", "down_proj"):
         if not isinstance(getattr(experts, name, None), torch.Tensor):
