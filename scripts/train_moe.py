@@ -111,7 +111,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (divides --tokens)")
-    parser.add_argument("--backends", default="grouped_mm,megamoe", help="experts backends, the first is the baseline")
+    parser.add_argument("--backends", default="grouped_mm,megamoe",
+                        help="experts backends, the first is the baseline: megamoe or one of transformers' "
+                             "(grouped_mm, eager, batched_mm)")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, after a linear warm-up")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
