@@ -21,6 +21,7 @@ import torch
 from .gemm import k_grouped_bf16, m_grouped_bf16
 from .jit.runtime import Kernel
 from .moe import kernels as moe_kernels
+from .quant import kernels as quant_kernels
 
 
 def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
@@ -45,6 +46,8 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
                     seen.add(label)
                     out.append((label, functools.partial(k_grouped_bf16.get_kernel, config, dtype, accumulate)))
     out += [(name, functools.partial(moe_kernels.get_kernel, name)) for name in moe_kernels.all_kernels()]
+    out += [(f"fp8_quantize_{name}{'_pow2' if pow2 else ''}", functools.partial(quant_kernels.get_kernel, name, pow2))
+            for name, pow2 in quant_kernels.all_kernels()]
     return out
 
 

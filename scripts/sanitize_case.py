@@ -1,6 +1,6 @@
 """A small run of every kernel variant (the grouped GEMMs with and without row gathers, in
 passes, the MoE layer forward and backward, the wait for other GPUs' partial sums and the
-combine that adds them) for compute-sanitizer memcheck and racecheck:
+combine that adds them, the FP8 quantization) for compute-sanitizer memcheck and racecheck:
 
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py
 
@@ -18,6 +18,7 @@ from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16  # noqa: E402
+from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
@@ -63,5 +64,11 @@ layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
 moe_combine_bf16(torch.randn(400, 256, device="cuda", dtype=torch.bfloat16), layout, p["topk_weights"],
                  torch.empty(100, 256, device="cuda", dtype=torch.bfloat16),
                  addend=torch.randn(2, 120, 256, device="cuda", dtype=torch.bfloat16))
+# FP8 quantization: ragged, empty and one-row groups, both scale rules.
+x8 = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+for pow2 in (False, True):
+    fp8_quantize_rows(x8, power_of_two_scales=pow2)
+    fp8_quantize_columns(x8, offsets, with_rows=True, power_of_two_scales=pow2)
+    fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16), power_of_two_scales=pow2)
 torch.cuda.synchronize()
 print("sanitize case done")

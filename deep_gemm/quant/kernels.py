@@ -1,0 +1,126 @@
+"""Launchers of the FP8 quantization kernels (impls/fp8_quantize.cuh). Every check runs before
+any launch; nothing syncs with the host (group offsets are read on the GPU)."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..jit.params import ParamsStruct
+from ..jit.runtime import Kernel, build_kernel
+from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms
+from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, fp8_quantize_columns_torch, fp8_quantize_rows_torch,
+                        fp8_quantize_weights_torch, padded_group_width)
+
+_ACTIVATIONS = ParamsStruct("deep_gemm::Fp8QuantizeActivationsParams", [
+    ("x", "ptr"), ("offsets", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("qt", "ptr"), ("scales_t", "ptr"),
+    ("padded_offsets", "ptr"), ("m", "u32"), ("k", "u32"), ("num_groups", "u32"), ("scales_ld", "u32"), ("mp", "u32")])
+_WEIGHTS = ParamsStruct("deep_gemm::Fp8QuantizeWeightsParams", [
+    ("w", "ptr"), ("q", "ptr"), ("qt", "ptr"), ("scales", "ptr"), ("num_groups", "u32"), ("n", "u32"), ("k", "u32")])
+_NUM_THREADS = 256
+MAX_GROUPS = 1024  # the kernel scans the group sizes in shared memory (fp8_quantize::kMaxGroups)
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
+    """`name`: "activations" or "weights"."""
+    struct, params = {"activations": ("Fp8QuantizeActivations", _ACTIVATIONS),
+                      "weights": ("Fp8QuantizeWeights", _WEIGHTS)}[name]
+    rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
+    return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}>", params,
+                        _NUM_THREADS)
+
+
+def all_kernels() -> list[tuple[str, bool]]:
+    """Arguments of every kernel here (for `get_kernel`)."""
+    return [(name, pow2) for name in ("activations", "weights") for pow2 in (False, True)]
+
+
+def _launch(name: str, power_of_two_scales: bool, device: int, num_tiles: int, **values) -> None:
+    kernel = get_kernel(name, power_of_two_scales)
+    num_blocks = max(1, min(num_tiles, kernel.max_resident_blocks(device), 8 * get_num_sms(device)))
+    params = _ACTIVATIONS if name == "activations" else _WEIGHTS
+    kernel.launch(params.pack(**values), num_blocks, device)
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    check_tensor("x", x, torch.bfloat16, 2)
+    check_multiple("K (x.shape[1])", x.shape[1], BLOCK)
+    if x.numel() >= 2**31:
+        raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
+
+
+def _empty_rows(x: torch.Tensor) -> Fp8Rows:
+    m, k = x.shape
+    storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=x.device)
+    return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device), storage[:, :m].T)
+
+
+def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
+    """x ``[M, K]`` bf16 (K a multiple of 128) quantized per 1 x 128: the A operand of
+    `m_grouped_fp8_gemm_nt_contiguous` (see `Fp8Rows`). Each 128 elements' scale maps their
+    largest magnitude onto 448 (1 for all zeros; `power_of_two_scales` rounds it up to a power
+    of two)."""
+    _check_rows(x)
+    if not x.is_cuda:
+        return fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two_scales)
+    check_cuda_devices(x=x)
+    out = _empty_rows(x)
+    m, k = x.shape
+    if m:
+        _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
+                offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0, scales_t=0, padded_offsets=0,
+                m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0)
+    return out
+
+
+def fp8_quantize_columns(x: torch.Tensor, group_offsets: torch.Tensor, *, with_rows: bool = False,
+                         power_of_two_scales: bool = False) -> tuple[Optional[Fp8Rows], Fp8Columns]:
+    """x ``[M, K]`` bf16 (K a multiple of 128) in row groups (`group_offsets` ``[G + 1]`` int32,
+    G <= 1024), transposed and quantized per 128 x 1 within each group: an operand of
+    `k_grouped_fp8_gemm_tn_contiguous` (see `Fp8Columns`; its padded offsets are written on the
+    GPU). `with_rows` also returns the rows quantized per 1 x 128 (`fp8_quantize_rows`), from the
+    same pass: rows outside every group are left unwritten there."""
+    _check_rows(x)
+    num_groups = check_group_offsets(group_offsets)
+    if not 1 <= num_groups <= MAX_GROUPS:
+        raise ValueError(f"the column quantization takes 1 to {MAX_GROUPS} groups, got {num_groups}")
+    if not x.is_cuda:
+        return fp8_quantize_columns_torch(x, group_offsets, with_rows=with_rows,
+                                          power_of_two_scales=power_of_two_scales)
+    check_cuda_devices(x=x, group_offsets=group_offsets)
+    m, k = x.shape
+    width = padded_group_width(m, num_groups)
+    columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=x.device),
+                         torch.empty(width // BLOCK, k, dtype=torch.float32, device=x.device),
+                         torch.empty(num_groups + 1, dtype=torch.int32, device=x.device))
+    rows = _empty_rows(x) if with_rows else None
+    # (a launch even with M = 0: it writes the padded offsets)
+    _launch("activations", power_of_two_scales, x.device.index, width // BLOCK * (k // BLOCK), x=x.data_ptr(),
+            offsets=group_offsets.data_ptr(), q=rows.data.data_ptr() if rows else 0,
+            scales=rows.scales.data_ptr() if rows else 0, qt=columns.data.data_ptr(),
+            scales_t=columns.scales.data_ptr(), padded_offsets=columns.padded_offsets.data_ptr(), m=m, k=k,
+            num_groups=num_groups, scales_ld=rows.scales.stride(1) if rows else 0, mp=width)
+    return rows, columns
+
+
+def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Weights:
+    """w ``[G, N, K]`` bf16 (N and K multiples of 128) quantized per 128 x 128 block, in both
+    orientations from one pass (see `Fp8Weights`): ``data`` is B of the forward
+    (`m_grouped_fp8_gemm_nt_contiguous`), ``data_t`` B of the data gradient."""
+    check_tensor("w", w, torch.bfloat16, 3)
+    num_groups, n, k = w.shape
+    check_multiple("N (w.shape[1])", n, BLOCK)
+    check_multiple("K (w.shape[2])", k, BLOCK)
+    if not w.is_cuda:
+        return fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two_scales)
+    check_cuda_devices(w=w)
+    out = Fp8Weights(torch.empty(num_groups, n, k, dtype=torch.float8_e4m3fn, device=w.device),
+                     torch.empty(num_groups, k, n, dtype=torch.float8_e4m3fn, device=w.device),
+                     torch.empty(num_groups, n // BLOCK, k // BLOCK, dtype=torch.float32, device=w.device))
+    num_tiles = num_groups * (n // BLOCK) * (k // BLOCK)
+    if num_tiles:
+        _launch("weights", power_of_two_scales, w.device.index, num_tiles, w=w.data_ptr(), q=out.data.data_ptr(),
+                qt=out.data_t.data_ptr(), scales=out.scales.data_ptr(), num_groups=num_groups, n=n, k=k)
+    return out

@@ -1,0 +1,215 @@
+"""Spec of the FP8 quantization (deep_gemm.quant): blockwise e4m3 with fp32 scales.
+
+On the CPU: the PyTorch reference's recipe (a block's largest magnitude maps onto 448; the
+dequantized values within e4m3's rounding; the layouts the GEMMs read) and the input checks. On
+the GPU: the kernels equal the reference bit for bit, on fresh random data in ragged, empty,
+single-row and one-huge groups, into allocations poisoned with NaN first.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deep_gemm.quant import (Fp8Rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
+                             padded_group_width)
+from deep_gemm.quant import reference  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, poisoned_allocations, random_group_sizes  # noqa: E402
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+
+# (group sizes, K): ragged with tails of every kind, empty groups, one row, one huge group.
+GROUP_CASES = [
+    ([0, 1, 127, 128, 129, 300, 0, 1000], 256),
+    ([1], 128),
+    ([5000], 2048),
+    ([0, 0, 0], 128),
+    ("uniform", 768),
+    ("skewed", 2048),
+]
+
+
+def _sizes(spec, num_groups: int = 32, total: int = 4096) -> list[int]:
+    return random_group_sizes(total, num_groups, spec) if isinstance(spec, str) else spec
+
+
+def _activations(m: int, k: int, device="cpu") -> torch.Tensor:
+    """Rows with magnitudes spread over many binades, a zero row and a zero block."""
+    x = torch.randn(m, k) * torch.exp2(torch.randint(-12, 6, (m, 1)).float())
+    if m > 2:
+        x[1] = 0
+        x[2, :128] = 0
+    return x.to(torch.bfloat16).to(device)
+
+
+def _within_e4m3_rounding(deq: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """|deq - x| <= |x| / 16 (3 mantissa bits) + the subnormal step (2^-9 of a scale unit)."""
+    return bool(((deq - x).abs() <= x.abs() / 16 + scale * 2.0**-9).all())
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_rows_scale_each_1x128_block_onto_e4m3_range(power_of_two):
+    x = _activations(300, 512).float()
+    rows = fp8_quantize_rows(x.to(torch.bfloat16), power_of_two_scales=power_of_two)
+    assert rows.data.dtype == torch.float8_e4m3fn and rows.data.shape == (300, 512)
+    assert rows.scales.shape == (300, 4) and rows.scales.stride() == (1, 300)  # column-major, ld = align(M, 4)
+    amax = x.reshape(300, 4, 128).abs().amax(dim=2)
+    block_max = rows.data.float().reshape(300, 4, 128).abs().amax(dim=2)
+    if power_of_two:
+        assert bool((torch.frexp(rows.scales).mantissa == 0.5).all())  # powers of two
+        nonzero = amax > 0  # the smallest power of two at or above amax / 448
+        assert bool((rows.scales[nonzero] >= amax[nonzero] / 448).all())
+        assert bool((rows.scales[nonzero] < amax[nonzero] / 224).all())
+    else:
+        assert bool((block_max[amax > 0] == 448).all())  # the largest magnitude lands on 448
+    assert bool((rows.scales[amax == 0] == 1).all()) and bool((block_max[amax == 0] == 0).all())
+    scale = rows.scales.repeat_interleave(128, dim=1)
+    assert _within_e4m3_rounding(reference.dequantize_rows(rows), x, scale)
+
+
+def test_rows_scales_are_padded_to_a_multiple_of_four_rows():
+    rows = fp8_quantize_rows(_activations(5, 256))
+    assert rows.scales.shape == (5, 2) and rows.scales.stride() == (1, 8)
+
+
+@pytest.mark.parametrize("sizes,k", GROUP_CASES)
+def test_columns_transpose_each_group_padded_to_128_rows(sizes, k):
+    sizes = _sizes(sizes)
+    offsets = offsets_from_sizes(sizes, "cpu")
+    x = _activations(sum(sizes), k)
+    rows, cols = fp8_quantize_columns(x, offsets, with_rows=True)
+    width = padded_group_width(x.shape[0], len(sizes))
+    assert cols.data.shape == (k, width) and cols.scales.shape == (width // 128, k)
+    padded = [0]
+    for s in sizes:
+        padded.append(padded[-1] + -(-s // 128) * 128)
+    assert cols.padded_offsets.tolist() == padded and padded[-1] <= width
+    for g, s in enumerate(sizes):  # each group's padding is zeros, so it adds nothing to a product
+        assert bool((cols.data[:, padded[g] + s:padded[g + 1]].float() == 0).all())
+    deq = reference.dequantize_columns(cols, offsets, x.shape[0])
+    scale = torch.zeros_like(deq)
+    for g, (begin, end) in enumerate(reference.group_bounds(offsets, x.shape[0])):
+        blocks = cols.scales[padded[g] // 128:padded[g + 1] // 128]  # [blocks of the group, K]
+        scale[begin:end] = blocks.repeat_interleave(128, dim=0)[:end - begin]
+    assert _within_e4m3_rounding(deq, x.float(), scale)
+    assert torch.equal(rows.data.view(torch.uint8), fp8_quantize_rows(x).data.view(torch.uint8))
+
+
+def test_a_column_scale_never_spans_two_groups():
+    """A tiny group next to a large one keeps its own scales: its values survive."""
+    x = torch.cat([torch.full((3, 128), 1e-3), torch.full((200, 128), 1e3)]).to(torch.bfloat16)
+    _, cols = fp8_quantize_columns(x, offsets_from_sizes([3, 200], "cpu"))
+    assert torch.allclose(reference.dequantize_columns(cols, offsets_from_sizes([3, 200], "cpu"), 203)[:3],
+                          x[:3].float(), rtol=1 / 16)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_weights_one_scale_per_128x128_block_in_both_orientations(power_of_two):
+    w = (torch.randn(3, 256, 384) * torch.exp2(torch.randint(-8, 4, (3, 256, 1)).float())).to(torch.bfloat16)
+    out = fp8_quantize_weights(w, power_of_two_scales=power_of_two)
+    assert out.data.shape == (3, 256, 384) and out.data_t.shape == (3, 384, 256) and out.scales.shape == (3, 2, 3)
+    assert torch.equal(out.data_t.view(torch.uint8), out.data.transpose(1, 2).view(torch.uint8))
+    scale = out.scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+    assert _within_e4m3_rounding(reference.dequantize_weights(out), w.float(), scale)
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda: fp8_quantize_rows(torch.zeros(4, 128)), "dtype"),
+    (lambda: fp8_quantize_rows(torch.zeros(4, 200, dtype=torch.bfloat16)), "multiple of 128"),
+    (lambda: fp8_quantize_rows(torch.zeros(4, 256, dtype=torch.bfloat16)[:, :128]), "contiguous"),
+    (lambda: fp8_quantize_rows(torch.zeros(2, 4, 128, dtype=torch.bfloat16)), "2-D"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4])), "int32"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32)),
+     "1 to 1024 groups"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(1026, dtype=torch.int32)),
+     "1 to 1024 groups"),
+    (lambda: fp8_quantize_weights(torch.zeros(2, 100, 128, dtype=torch.bfloat16)), "multiple of 128"),
+    (lambda: fp8_quantize_weights(torch.zeros(100, 128, dtype=torch.bfloat16)), "3-D"),
+])
+def test_bad_input_is_refused_with_a_clear_error(call, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        call()
+
+
+# GPU: the kernels against the reference, bit for bit.
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
+                                              b.cpu().view(torch.uint8) if b.element_size() == 1 else b.cpu())
+
+
+def _assert_rows_equal(out: Fp8Rows, ref: Fp8Rows, valid_rows=slice(None)):
+    assert _same_bits(out.data[valid_rows], ref.data[valid_rows])
+    assert _same_bits(out.scales[valid_rows], ref.scales[valid_rows])
+
+
+@requires_sm90
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 128), (300, 512), (4096, 2048), (129, 7168)])
+def test_rows_kernel_equals_the_reference(m, k, power_of_two):
+    x = _activations(m, k)
+    with poisoned_allocations(8 * m * k) as poisoned:
+        out = fp8_quantize_rows(x.cuda(), power_of_two_scales=power_of_two)
+        assert poisoned(out.data) and poisoned(out.scales)
+    _assert_rows_equal(out, reference.fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two))
+
+
+@requires_sm90
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("sizes,k", GROUP_CASES)
+def test_columns_kernel_equals_the_reference(sizes, k, power_of_two):
+    sizes = _sizes(sizes)
+    x = _activations(sum(sizes), k)
+    offsets = offsets_from_sizes(sizes, "cpu")
+    ref_rows, ref = reference.fp8_quantize_columns_torch(x, offsets, with_rows=True, power_of_two_scales=power_of_two)
+    for with_rows in (True, False):
+        with poisoned_allocations(16 * (x.numel() + 128 * len(sizes) * k)) as poisoned:
+            rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), with_rows=with_rows,
+                                              power_of_two_scales=power_of_two)
+            assert poisoned(cols.data) and poisoned(cols.scales)
+        used = int(ref.padded_offsets[-1])
+        assert _same_bits(cols.padded_offsets, ref.padded_offsets)
+        assert _same_bits(cols.data[:, :used], ref.data[:, :used])
+        assert _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+        if with_rows:
+            _assert_rows_equal(rows, ref_rows)
+        else:
+            assert rows is None
+
+
+@requires_sm90
+def test_columns_kernel_leaves_rows_outside_every_group_unwritten():
+    x = _activations(400, 256)
+    offsets = torch.tensor([0, 100, 250], dtype=torch.int32)  # rows 250.. belong to no group
+    with poisoned_allocations(1 << 24) as poisoned:
+        rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), with_rows=True)
+        assert poisoned(rows.data)
+    assert bool(rows.data[250:].float().isnan().all()) and bool(rows.scales[250:].isnan().all())
+    ref_rows, _ = reference.fp8_quantize_columns_torch(x, offsets, with_rows=True)
+    _assert_rows_equal(rows, ref_rows, slice(0, 250))
+
+
+@requires_sm90
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("g,n,k", [(1, 128, 128), (3, 256, 384), (8, 1536, 2048), (2, 7168, 2048)])
+def test_weights_kernel_equals_the_reference(g, n, k, power_of_two):
+    w = (torch.randn(g, n, k) * torch.exp2(torch.randint(-8, 4, (g, n, 1)).float())).to(torch.bfloat16)
+    with poisoned_allocations(4 * w.numel()) as poisoned:
+        out = fp8_quantize_weights(w.cuda(), power_of_two_scales=power_of_two)
+        assert poisoned(out.data) and poisoned(out.data_t)
+    ref = reference.fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two)
+    assert _same_bits(out.data, ref.data) and _same_bits(out.data_t, ref.data_t) and _same_bits(out.scales, ref.scales)
+
+
+@requires_sm90
+def test_empty_inputs_launch_nothing_or_only_the_offsets():
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
+    assert fp8_quantize_rows(x).data.shape == (0, 256)
+    _, cols = fp8_quantize_columns(x, torch.zeros(5, dtype=torch.int32, device="cuda"))
+    assert cols.padded_offsets.tolist() == [0] * 5
+    assert fp8_quantize_weights(torch.empty(0, 128, 128, dtype=torch.bfloat16, device="cuda")).data.numel() == 0
