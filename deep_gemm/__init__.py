@@ -1,4 +1,4 @@
-"""deep_gemm: Hopper (sm_90a) bf16 grouped GEMMs and the fused Mixture-of-Experts layer.
+"""deep_gemm: Hopper (sm_90a) bf16 and blockwise-FP8 grouped GEMMs and the fused Mixture-of-Experts layer.
 
 Kernels are CUDA C++ compiled at run time (see `deep_gemm.jit`); importing this package
 needs no GPU.
@@ -8,6 +8,7 @@ from .gemm import (
     m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
+    m_grouped_fp8_gemm_nt_contiguous,
 )
 from .moe import bf16_mega_moe
 from .utils import get_num_sms, set_num_sms
@@ -42,4 +43,5 @@ __all__ = [
     "m_grouped_bf16_gemm_nn_contiguous",
     "m_grouped_bf16_gemm_nt_swiglu_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
+    "m_grouped_fp8_gemm_nt_contiguous",
 ]

@@ -4,7 +4,7 @@
 # Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,quant_bench,moe_bench,train by
 # default; TEST_GROUPS picks test groups): the offline editable install, imported from another
 # directory; every kernel variant compiled in parallel (python -m deep_gemm.precompile); the GPU
-# tests; HGMMA / local-memory check of every cached GEMM; compute-sanitizer memcheck and
+# tests; WGMMA / local-memory check of every cached GEMM; compute-sanitizer memcheck and
 # racecheck on a small case; the GEMM benchmark (BENCH_ARGS); the FP8 quantization benchmark;
 # the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot; scripts/train_moe.py (TRAIN_ARGS;
 # transformers' eager backend as well by default, whose loss curve against grouped_mm's shows
@@ -51,9 +51,9 @@ fi
 if has sass; then
   for d in "$DG_JIT_CACHE_DIR"/cache/sm90_*; do
     sass=$(cuobjdump --dump-sass "$d/kernel.cubin")
-    echo "SASS $(basename "$d"): HGMMA=$(grep -c HGMMA <<<"$sass") local=$(grep -cE '\b(LDL|STL)\b' <<<"$sass")"
+    echo "SASS $(basename "$d"): GMMA=$(grep -cE '[HQ]GMMA' <<<"$sass") local=$(grep -cE '\b(LDL|STL)\b' <<<"$sass")"
   done > "$OUT/sass.log"
-  echo "SASS: $(wc -l < "$OUT/sass.log") GEMM cubins, $(grep -cE 'HGMMA=0 |local=[1-9]' "$OUT/sass.log") lack HGMMA or use local memory"
+  echo "SASS: $(wc -l < "$OUT/sass.log") GEMM cubins, $(grep -cE 'GMMA=0 |local=[1-9]' "$OUT/sass.log") lack WGMMA (HGMMA bf16, QGMMA fp8) or use local memory"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do

@@ -1,6 +1,6 @@
 """M-grouped bf16 GEMMs (MoE forward and data gradients), contiguous layout, ragged groups.
 
-One launcher per public function; they share the checks of the problem (`_MGroupedProblem`)
+One launcher per public function; they share the checks of the problem (`MGroupedProblem`)
 and the launch (`_launch`), and pick the kernel's policies: how A's rows are loaded (by TMA, or
 gathered through `a_row_index`) and how the epilogue stores (plain bf16, or SwiGLU).
 """
@@ -33,11 +33,16 @@ BF16_STORE, SWIGLU_STORE = "BF16TensorStore", "SwiGLUTensorStore"
 _KERNEL_B_MAJOR = {False: "deep_gemm::mma::Major::kKMajor", True: "deep_gemm::mma::Major::kMNMajor"}
 
 
-def make_m_grouped_config(block_n: int) -> GemmConfig:
-    # epilogue::kTensorStoreStagingBytes: tensor-store buffers, or the synchronous staging of a
-    # group's last rows, whichever is larger, rounded up to 1024 bytes (the swizzle's alignment).
+def tensor_store_staging_bytes(block_n: int) -> int:
+    """epilogue::kTensorStoreStagingBytes (one warpgroup): tensor-store buffers, or the
+    synchronous staging of a group's last rows, whichever is larger, rounded up to 1024 bytes
+    (the swizzle's alignment)."""
     staging = max(staged_bf16_bytes(block_n), swizzled_staging_bytes(2))
-    return make_config(block_n, -(-staging // 1024) * 1024)
+    return -(-staging // 1024) * 1024
+
+
+def make_m_grouped_config(block_n: int) -> GemmConfig:
+    return make_config(block_n, tensor_store_staging_bytes(block_n))
 
 
 def all_configs() -> list[GemmConfig]:
@@ -69,7 +74,7 @@ def default_kernel(n: int, b_mn_major: bool, producer: str = TMA_ROWS, epilogue:
 
 
 @dataclass
-class _MGroupedProblem:
+class MGroupedProblem:
     """A checked m-grouped problem: D [m, n] = rows of A [a_rows, k] (or gathered) times B[g]."""
 
     a: torch.Tensor
@@ -85,15 +90,26 @@ class _MGroupedProblem:
     num_passes: int
     pass_range: tuple[int, int]
     ready_flags: Optional[torch.Tensor]
-    device: torch.device
+    device: Optional[torch.device]  # (set by check_devices)
 
     @staticmethod
     def check(a, b, d, group_offsets, b_mn_major: bool, a_row_index, num_passes: int, ready_flags,
-              pass_range, act: Optional[torch.Tensor] = None) -> "_MGroupedProblem":
-        """Raises TypeError/ValueError on anything the kernels cannot take, devices last. `act`:
-        the SwiGLU epilogue's second output."""
-        check_tensor("a", a, torch.bfloat16, 2)
-        check_tensor("b", b, torch.bfloat16, 3)
+              pass_range, act: Optional[torch.Tensor] = None) -> "MGroupedProblem":
+        """Raises TypeError/ValueError on anything the bf16 kernels cannot take, devices last.
+        `act`: the SwiGLU epilogue's second output."""
+        problem = MGroupedProblem.check_shapes(a, b, d, group_offsets, b_mn_major, a_row_index, num_passes,
+                                               ready_flags, pass_range, act)
+        problem.check_devices(act=act)
+        return problem
+
+    @staticmethod
+    def check_shapes(a, b, d, group_offsets, b_mn_major: bool, a_row_index, num_passes: int, ready_flags,
+                     pass_range, act: Optional[torch.Tensor] = None,
+                     operand_dtype: torch.dtype = torch.bfloat16) -> "MGroupedProblem":
+        """`check` without the devices (`check_devices`, which a caller with more tensors to check
+        runs after them); `operand_dtype`: a's and b's."""
+        check_tensor("a", a, operand_dtype, 2)
+        check_tensor("b", b, operand_dtype, 3)
         check_tensor("d", d, torch.bfloat16, 2)
         if act is not None:
             check_tensor("act", act, torch.bfloat16, 2)
@@ -134,13 +150,17 @@ class _MGroupedProblem:
         check_multiple("N", n, 8)
         if max(m, a.shape[0], n, k) >= 2**31 or g * max(n, k) >= 2**31:
             raise ValueError("dimensions must stay below 2**31")
-        optional = {name: t for name, t in (("a_row_index", a_row_index), ("ready_flags", ready_flags), ("act", act))
-                    if t is not None}
-        device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets, **optional)
         if m and n and num_groups and (k == 0 or a.shape[0] == 0):
             raise ValueError("K must be positive, and a non-empty when rows are gathered from it")
-        return _MGroupedProblem(a, b, d, group_offsets, a_row_index, b_mn_major, m, n, k, num_groups, num_passes,
-                                pass_range, ready_flags, device)
+        return MGroupedProblem(a, b, d, group_offsets, a_row_index, b_mn_major, m, n, k, num_groups, num_passes,
+                               pass_range, ready_flags, None)
+
+    def check_devices(self, **more: Optional[torch.Tensor]) -> None:
+        """Raises ValueError unless every tensor of the problem (and of `more`, None skipped) is on
+        one CUDA device; sets `device`."""
+        tensors = dict(a=self.a, b=self.b, d=self.d, group_offsets=self.group_offsets, a_row_index=self.a_row_index,
+                       ready_flags=self.ready_flags, **more)
+        self.device = check_cuda_devices(**{name: t for name, t in tensors.items() if t is not None})
 
     @property
     def empty(self) -> bool:
@@ -156,7 +176,7 @@ def _check_config(config: Optional[GemmConfig], n: int) -> GemmConfig:
 _printed: set = set()
 
 
-def _launch(problem: _MGroupedProblem, config: GemmConfig, epilogue: str, act: Optional[torch.Tensor] = None) -> None:
+def _launch(problem: MGroupedProblem, config: GemmConfig, epilogue: str, act: Optional[torch.Tensor] = None) -> None:
     """Launches the kernel of `problem` with `config` and the `epilogue` policy (SwiGLU: `act`
     [m, n / 2] its second output)."""
     p = problem
@@ -220,7 +240,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
 
     Requires K and N multiples of 8 and 16-byte aligned tensors. Accumulates in fp32.
     """
-    problem = _MGroupedProblem.check(a, b, d, group_offsets, False, a_row_index, num_passes, ready_flags, pass_range)
+    problem = MGroupedProblem.check(a, b, d, group_offsets, False, a_row_index, num_passes, ready_flags, pass_range)
     config = _check_config(config, problem.n)
     if not problem.empty:
         _launch(problem, config, BF16_STORE)
@@ -246,7 +266,7 @@ def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
 
     Requires K a multiple of 64, N a multiple of 8 and 16-byte aligned tensors.
     """
-    problem = _MGroupedProblem.check(a, b, d, group_offsets, True, a_row_index, num_passes, ready_flags, pass_range)
+    problem = MGroupedProblem.check(a, b, d, group_offsets, True, a_row_index, num_passes, ready_flags, pass_range)
     config = _check_config(config, problem.n)
     if not problem.empty:
         _launch(problem, config, BF16_STORE)
@@ -272,6 +292,6 @@ def m_grouped_bf16_gemm_nt_swiglu_contiguous(a: torch.Tensor, b: torch.Tensor, h
 
     Requires I a multiple of 128 and K a multiple of 8. Only rows inside a group are written.
     """
-    problem = _MGroupedProblem.check(a, b, h, group_offsets, False, a_row_index, num_passes, ready_flags, None, act)
+    problem = MGroupedProblem.check(a, b, h, group_offsets, False, a_row_index, num_passes, ready_flags, None, act)
     if not problem.empty:
         _launch(problem, SWIGLU_CONFIG, SWIGLU_STORE, act)

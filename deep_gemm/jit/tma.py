@@ -1,4 +1,5 @@
-"""Host-side TMA descriptors (`CUtensorMap`) for 2-D and 3-D bf16 / fp32 tensors with 128-byte swizzle."""
+"""Host-side TMA descriptors (`CUtensorMap`) for 2-D and 3-D bf16 / fp32 / fp8 tensors: operand tiles
+with 128-byte swizzle, and plain (unswizzled) boxes of FP8 scales."""
 from __future__ import annotations
 
 import ctypes
@@ -12,12 +13,13 @@ from .runtime import OnDevice, check
 _DTYPES = {
     torch.bfloat16: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     torch.float32: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+    torch.float8_e4m3fn: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,  # (TMA moves bytes)
 }
 
 
 @functools.lru_cache(maxsize=4096)
 def _encode(device: int, dtype: torch.dtype, address: int, dims: tuple, strides_bytes: tuple,
-            box: tuple) -> bytes:
+            box: tuple, swizzle: bool = True) -> bytes:
     """dims and box innermost first; strides_bytes of every dimension but the innermost."""
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t  # some cuda-bindings versions reject plain ints here
     with OnDevice(device):  # the encoder wants a current context (autograd's threads may have none)
@@ -25,7 +27,7 @@ def _encode(device: int, dtype: torch.dtype, address: int, dims: tuple, strides_
             _DTYPES[dtype], len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides_bytes],
             [u32(b) for b in box], [u32(1)] * len(dims),
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     return ctypes.string_at(tensor_map.getPtr(), 128)
@@ -53,3 +55,13 @@ def make_tma_3d_desc(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
     row_bytes = cols * t.element_size()
     return _encode(t.device.index, t.dtype, t.data_ptr(), (cols, rows, g), (row_bytes, rows * row_bytes),
                    (box_cols, box_rows, 1))
+
+
+def make_tma_scales_desc(scales: torch.Tensor, box_rows: int = 128) -> bytes:
+    """The CUtensorMap of FP8 row scales ``[M, K / 128]`` fp32 stored column-major with a
+    16-byte aligned column stride (`deep_gemm.quant.Fp8Rows.scales`): boxes of `box_rows`
+    consecutive rows' scales of one k-block, unswizzled; rows past M read as zeros."""
+    m, num_k_blocks = scales.shape
+    assert scales.dtype == torch.float32 and scales.stride(0) == 1 and scales.stride(1) % 4 == 0
+    return _encode(scales.device.index, torch.float32, scales.data_ptr(), (m, num_k_blocks), (scales.stride(1) * 4,),
+                   (box_rows, 1), swizzle=False)

@@ -26,22 +26,28 @@ struct PipelineState {
     }
 };
 
-// Dynamic shared memory: A stages, B stages, `kExtraBytes` for the epilogue, then barriers.
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kExtraBytes>
+// Dynamic shared memory: A stages, B stages, `kScaleBytes` a stage for A's scales (FP8 only),
+// `kExtraBytes` for the epilogue, then barriers.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kExtraBytes, uint32_t kScaleBytes = 0>
 struct GemmSmem {
-    static constexpr uint32_t kBytesA = BLOCK_M * BLOCK_K * 2;
-    static constexpr uint32_t kBytesB = BLOCK_N * BLOCK_K * 2;
-    static constexpr uint32_t kBytesPerStage = kBytesA + kBytesB;
-    static constexpr uint32_t kOffsetExtra = kNumStages * kBytesPerStage;
+    static constexpr uint32_t kBytesA = BLOCK_M * kSwizzleBytes;  // 128-byte rows: 64 bf16 or 128 fp8 of K
+    static constexpr uint32_t kBytesB = BLOCK_N * kSwizzleBytes;
+    static constexpr uint32_t kBytesPerStage = kBytesA + kBytesB + kScaleBytes;
+    static constexpr uint32_t kOffsetScales = kNumStages * (kBytesA + kBytesB);
+    // (the epilogue's swizzled staging needs 1024-byte alignment)
+    static constexpr uint32_t kOffsetExtra = ptx::ceil_div(kOffsetScales + kNumStages * kScaleBytes, 1024u) * 1024;
     static constexpr uint32_t kOffsetBarriers = kOffsetExtra + kExtraBytes;
     static constexpr uint32_t kTotalBytes = kOffsetBarriers + 2 * kNumStages * sizeof(ptx::MBarrier);
     static_assert(kBytesA % 1024 == 0 and kBytesB % 1024 == 0, "swizzle atoms need 1024-byte alignment");
-    static_assert(kExtraBytes % 16 == 0);
+    static_assert(kScaleBytes % 128 == 0 and kExtraBytes % 16 == 0 and kOffsetExtra % 1024 == 0);
 
     uint8_t* base;
 
     __device__ __forceinline__ uint8_t* a(uint32_t stage) const { return base + stage * kBytesA; }
     __device__ __forceinline__ uint8_t* b(uint32_t stage) const { return base + kNumStages * kBytesA + stage * kBytesB; }
+    __device__ __forceinline__ float* scales(uint32_t stage) const {
+        return reinterpret_cast<float*>(base + kOffsetScales + stage * kScaleBytes);
+    }
     __device__ __forceinline__ uint8_t* extra() const { return base + kOffsetExtra; }
     __device__ __forceinline__ ptx::MBarrier* full(uint32_t stage) const {
         return reinterpret_cast<ptx::MBarrier*>(base + kOffsetBarriers) + stage;
@@ -49,23 +55,26 @@ struct GemmSmem {
     __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return full(kNumStages + stage); }
 
     // Thread 0 only: full barriers complete on the TMA bytes and the producer's arrival (plus
-    // one cp.async arrival per copying thread), empty ones on both math warpgroups of each
-    // of the `num_ctas` CTAs whose loads fill this CTA's stages (a cluster sharing B).
-    __device__ __forceinline__ void init_barriers(uint32_t num_copy_threads, uint32_t num_ctas) const {
+    // one cp.async arrival per copying thread), empty ones on `releases_per_cta` arrivals (both
+    // math warpgroups, or their eight warps) of each of the `num_ctas` CTAs whose loads fill this
+    // CTA's stages (a cluster sharing B).
+    __device__ __forceinline__ void init_barriers(uint32_t num_copy_threads, uint32_t num_ctas,
+                                                  uint32_t releases_per_cta = kNumMathThreads / 128) const {
         #pragma unroll
         for (uint32_t s = 0; s < kNumStages; ++s) {
             full(s)->init(1 + num_copy_threads);
-            empty(s)->init(kNumMathThreads / 128 * num_ctas);
+            empty(s)->init(releases_per_cta * num_ctas);
         }
         ptx::fence_barrier_init();
     }
 };
 
 // Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
-// initialises the barriers, and the CTA (the cluster, with kClusterSize > 1) syncs before any
+// initialises the barriers (empty ones counting `kReleasesPerCta` arrivals a CTA), and the CTA (the cluster, with kClusterSize > 1) syncs before any
 // role touches them. `kNumCopyThreads` producer threads also fill stages with cp.async (see
 // produce_k_blocks).
-template <uint32_t kNumCopyThreads, uint32_t kClusterSize = 1, typename Smem>
+template <uint32_t kNumCopyThreads, uint32_t kClusterSize = 1, uint32_t kReleasesPerCta = kNumMathThreads / 128,
+          typename Smem>
 __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,
                                            const CUtensorMap* tensor_map_b) {
     static_assert(kNumCopyThreads <= kNumProducerThreads);
@@ -74,7 +83,7 @@ __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* 
         ptx::prefetch_tma_descriptor(tensor_map_b);
     }
     if (threadIdx.x == 0)
-        smem.init_barriers(kNumCopyThreads, kClusterSize);
+        smem.init_barriers(kNumCopyThreads, kClusterSize, kReleasesPerCta);
     if constexpr (kClusterSize > 1)
         ptx::cluster_sync();
     else

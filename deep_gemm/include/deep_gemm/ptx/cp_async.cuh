@@ -13,6 +13,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16u : 0u) : "memory");
 }
 
+// 4 bytes global -> shared (through L1: scales are small and re-read); `valid` false writes zeros.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 4u : 0u) : "memory");
+}
+
 // One arrival on `bar` once every cp.async this thread issued so far has landed. `noinc`:
 // the arrival is part of the barrier's expected count (see mma::GemmSmem::init_barriers).
 __device__ __forceinline__ void cp_async_arrive_noinc(MBarrier* bar) {

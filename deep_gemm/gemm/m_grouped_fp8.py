@@ -1,0 +1,133 @@
+"""M-grouped blockwise-FP8 GEMM (MoE forward and data gradient), contiguous layout, ragged groups.
+
+The kernel (impls/sm90_fp8_m_grouped_gemm.cuh) shares the bf16 kernel's scheduler, pass gate,
+row producers and epilogue; the problem checks are the bf16 launcher's (`MGroupedProblem`) plus
+the scales'. Operands come from `deep_gemm.quant` (docs/DESIGN.md, "Blockwise FP8").
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..jit.params import ParamsStruct
+from ..jit.runtime import Kernel, build_kernel
+from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
+from ..utils import check_multiple, print_configs_enabled
+from .common import BLOCK_M, NUM_THREADS, grid_size, make_config
+from .m_grouped_bf16 import BF16_STORE, MGroupedProblem, tensor_store_staging_bytes
+
+BLOCK_K = 128  # one scale block of K a stage
+PARAMS = ParamsStruct("deep_gemm::MGroupedFp8GemmParams", [
+    ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
+    ("tensor_map_scales_a", "tensor_map"), ("d", "ptr"), ("group_offsets", "ptr"), ("a_row_index", "ptr"), ("a", "ptr"),
+    ("a_scales", "ptr"), ("b_scales", "ptr"), ("ready_flags", "ptr"), ("m", "u32"), ("n", "u32"), ("k", "u32"),
+    ("num_groups", "u32"), ("a_rows", "u32"), ("num_passes", "u32"), ("pass_begin", "u32"), ("pass_end", "u32"),
+    ("a_scales_ld", "u32"), ("b_scales_stride_g", "u32"), ("b_scales_stride_n", "u32"), ("b_scales_stride_k", "u32")])
+FP8_TMA_ROWS, FP8_GATHERED_ROWS = "Fp8TmaRows", "Fp8GatheredRows"  # producer/rows.cuh
+
+
+# 128 x 128 tiles (one B scale block a tile and k-block), with A's 128 row scales in each stage.
+CONFIG = make_config(128, tensor_store_staging_bytes(128), scale_bytes_per_stage=BLOCK_M * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(producer: str) -> Kernel:
+    kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{CONFIG.block_n}, {CONFIG.num_stages}, "
+                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{BF16_STORE}<{CONFIG.block_n}>>")
+    return build_kernel("sm90_fp8_m_grouped_gemm.cuh", "dg_sm90_fp8_m_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
+                        CONFIG.smem_bytes)
+
+
+def all_kernels() -> list[str]:
+    """The producer policy of every variant (for `get_kernel`)."""
+    return [FP8_TMA_ROWS, FP8_GATHERED_ROWS]
+
+
+def _check_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, a_rows: int, k: int, g: int, n: int) -> None:
+    """A's 1 x 128 scales column-major with a 16-byte aligned column stride (`Fp8Rows.scales`);
+    B's 128 x 128 scales in any strides (e.g. the transposed view for the data gradient)."""
+    for name, t in (("a_scales", a_scales), ("b_scales", b_scales)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {t.dtype}")
+    if tuple(a_scales.shape) != (a_rows, k // BLOCK_K):
+        raise ValueError(f"a_scales must have shape {(a_rows, k // BLOCK_K)} (one per 1 x 128), got {tuple(a_scales.shape)}")
+    if a_rows and (a_scales.stride(0) != 1 or a_scales.stride(1) % 4 or a_scales.stride(1) < a_rows
+                   or a_scales.data_ptr() % 16):
+        raise ValueError("a_scales must be column-major with a column stride that is a multiple of 4 (16 bytes), "
+                         "16-byte aligned, as deep_gemm.quant.fp8_quantize_rows returns it")
+    if tuple(b_scales.shape) != (g, n // 128, k // 128):
+        raise ValueError(f"b_scales must have shape {(g, n // 128, k // 128)} (one per 128 x 128), "
+                         f"got {tuple(b_scales.shape)}")
+    if any(s < 0 or s >= 2**31 for s in b_scales.stride()):
+        raise ValueError(f"b_scales' strides must be in [0, 2**31), got {b_scales.stride()}")
+
+
+def _pair(name: str, operand) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(operand, (tuple, list)) and len(operand) == 2):
+        raise TypeError(f"{name} must be a (data, scales) pair, got {type(operand).__name__}")
+    return operand
+
+
+_printed: set = set()
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                                     d: torch.Tensor, group_offsets: torch.Tensor, *,
+                                     a_row_index: Optional[torch.Tensor] = None, num_passes: int = 1,
+                                     ready_flags: Optional[torch.Tensor] = None,
+                                     pass_range: Optional[tuple[int, int]] = None) -> None:
+    """Grouped blockwise-FP8 ``D[rows of g] = A[rows of g] @ B[g].T``, bf16 out, in place into `d`:
+    the MoE forward on the weights, its data gradient on their transposed copy.
+
+    Args:
+        a: ``(data, scales)``: data ``[M, K]`` float8_e4m3fn, row-major; scales ``[M, K / 128]``
+            fp32, one per 1 x 128, column-major with a column stride that is a multiple of 4
+            (``deep_gemm.quant.fp8_quantize_rows(x)``'s ``(data, scales)``).
+        b: ``(data, scales)``: data ``[G, N, K]`` float8_e4m3fn, row-major; scales
+            ``[G, N / 128, K / 128]`` fp32, one per 128 x 128, any strides. For weights ``w`` quantized
+            by ``deep_gemm.quant.fp8_quantize_weights``: the forward passes ``(w.data, w.scales)``,
+            the data gradient ``(w.data_t, w.scales.transpose(1, 2))``.
+        d: ``[M, N]`` bf16 output. Only rows inside a group are written.
+        group_offsets: ``[G + 1]`` int32 on the GPU: group g owns rows ``[offsets[g], offsets[g+1])``;
+            sizes are arbitrary (zero, one row, not multiples of 128: no padding). No host sync.
+        a_row_index: optional int64 ``[M]``: row i of A is row ``a_row_index[i]`` of the data (and
+            its scales), gathered by the kernel's loads; the data then has any number of rows.
+            Indices outside the data read zeros.
+        num_passes, ready_flags, pass_range: rows in passes that wait for their data, computed by
+            one launch or several, as in `deep_gemm.m_grouped_bf16_gemm_nt_contiguous`.
+
+    Requires K and N multiples of 128 and 16-byte aligned tensors. Each 128-deep block of K is
+    multiplied into fresh fp32 registers, then added to the sum times its A and B scales.
+    """
+    (a_data, a_scales), (b_data, b_scales) = _pair("a", a), _pair("b", b)
+    problem = MGroupedProblem.check_shapes(a_data, b_data, d, group_offsets, False, a_row_index, num_passes,
+                                           ready_flags, pass_range, operand_dtype=torch.float8_e4m3fn)
+    check_multiple("K", problem.k, BLOCK_K)
+    check_multiple("N", problem.n, CONFIG.block_n)
+    _check_scales(a_scales, b_scales, a_data.shape[0], problem.k, problem.num_groups, problem.n)
+    problem.check_devices(a_scales=a_scales, b_scales=b_scales)
+    if problem.empty:
+        return
+    p = problem
+    if print_configs_enabled() and (p.m, p.n, p.k, p.num_groups) not in _printed:
+        _printed.add((p.m, p.n, p.k, p.num_groups))
+        print(f"[deep_gemm] m_grouped_fp8_gemm_nt: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {CONFIG.label}")
+    params = PARAMS.pack(
+        tensor_map_a=make_tma_2d_desc(a_data, a_data.shape[0], p.k, 128, BLOCK_M),  # (gathered rows: unused)
+        tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, CONFIG.block_n),
+        tensor_map_d=make_tma_3d_desc(d.unsqueeze(0), 64, 64),
+        tensor_map_scales_a=make_tma_scales_desc(a_scales),
+        d=d.data_ptr(), group_offsets=group_offsets.data_ptr(),
+        a_row_index=0 if a_row_index is None else a_row_index.data_ptr(), a=a_data.data_ptr(),
+        a_scales=a_scales.data_ptr(), b_scales=b_scales.data_ptr(),
+        ready_flags=0 if ready_flags is None else ready_flags.data_ptr(),
+        m=p.m, n=p.n, k=p.k, num_groups=p.num_groups, a_rows=a_data.shape[0], num_passes=p.num_passes,
+        pass_begin=p.pass_range[0], pass_end=p.pass_range[1], a_scales_ld=a_scales.stride(1),
+        b_scales_stride_g=b_scales.stride(0), b_scales_stride_n=b_scales.stride(1), b_scales_stride_k=b_scales.stride(2))
+    kernel = get_kernel(FP8_TMA_ROWS if a_row_index is None else FP8_GATHERED_ROWS)
+    num_tiles_bound = (p.m // BLOCK_M + p.num_groups * p.num_passes) * (p.n // CONFIG.block_n)
+    kernel.launch(params, grid_size(kernel, num_tiles_bound, p.device.index), p.device.index)

@@ -1,0 +1,112 @@
+#pragma once
+// M-grouped blockwise-FP8 GEMM on Hopper: D[rows of g] = A[rows of g] @ B[g].T in bf16, from e4m3
+// operands with fp32 scales (docs/DESIGN.md, "Blockwise FP8"): A [M, K] per 1 x 128, B [G, N, K]
+// per 128 x 128. The forward runs it on the weights, the data gradient on their transposed copy
+// (both operands of FP8 WGMMA are K-major). The same structure as the bf16 kernel: persistent,
+// warp-specialised, scheduler::MGroupedScheduler's tiles and passes, comm::PassGate, A's rows by
+// the Producer policy (with their scales), the bf16 Epilogue policy; the mainloop promotes every
+// 128-deep k-block into fp32 with its scales (mma/pipeline_fp8.cuh).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include "../comm/flags.cuh"
+#include "../epilogue/m_grouped.cuh"
+#include "../mma/pipeline_fp8.cuh"
+#include "../producer/rows.cuh"
+#include "../scheduler/grouped.cuh"
+
+namespace deep_gemm {
+
+struct alignas(128) MGroupedFp8GemmParams {
+    CUtensorMap tensor_map_a;         // A [a_rows, K] e4m3; box {128 (K), 128 rows}
+    CUtensorMap tensor_map_b;         // B as [G * N, K] e4m3; box {128, BLOCK_N}
+    CUtensorMap tensor_map_d;         // D as [1, M, N] bf16; box {64 (N), 64 rows, 1}
+    CUtensorMap tensor_map_scales_a;  // A's scales as [K / 128][a_rows] fp32 (row stride a_scales_ld); box {128, 1}
+    __nv_bfloat16* d;                 // [M, N]
+    const int* group_offsets;         // [G * num_passes + 1]
+    const int64_t* a_row_index;       // [M] (producer::Fp8GatheredRows)
+    const uint8_t* a;                 // the source rows [a_rows, K] (producer::Fp8GatheredRows)
+    const float* a_scales;            // [K / 128][a_scales_ld] (producer::Fp8GatheredRows)
+    const float* b_scales;            // B's scale of (g, n block, k block) at g * stride_g + n * stride_n + k * stride_k
+    const int* ready_flags;           // [num_passes] or null
+    uint32_t m, n, k, num_groups, a_rows, num_passes, pass_begin, pass_end;
+    uint32_t a_scales_ld, b_scales_stride_g, b_scales_stride_n, b_scales_stride_k;
+};
+
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epilogue>
+struct Sm90FP8MGroupedGemm {
+    static constexpr uint32_t BLOCK_M = 128;
+    static_assert(BLOCK_N == 128, "one B scale block per tile and k-block");
+    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, BLOCK_M * sizeof(float)>;
+    static constexpr uint32_t kNumThreads = mma::kNumThreads;
+    static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
+    static_assert(Epilogue::kStagingBytes % 1024 == 0, "each warpgroup's staging starts 1024-byte aligned");
+    static_assert(Epilogue::Columns::kNumBoxes == 1, "a tile's columns are contiguous");
+
+    __device__ __forceinline__ static void run(const MGroupedFp8GemmParams& p) {
+        using namespace mma;
+        using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
+        extern __shared__ __align__(1024) uint8_t smem_buffer[];
+        const Smem smem{smem_buffer};
+        const uint32_t num_k_blocks = p.k / BLOCK_K_FP8;
+
+        start_gemm<Producer::kNumCopyThreads, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        if (threadIdx.x == 0)  // once per CTA, for the stores the math warpgroups issue
+            Epilogue::prefetch(p);
+
+        Scheduler scheduler(p.group_offsets, p.num_groups, p.num_passes, p.pass_begin, p.pass_end, p.m, p.n);
+        typename Scheduler::Tile tile;
+        PipelineState pipe;
+
+        if (threadIdx.x >= kNumMathThreads) {
+            ptx::warpgroup_reg_dealloc<kProducerRegs>();
+            const uint32_t t = threadIdx.x - kNumMathThreads;
+            if (Producer::kNumCopyThreads == 0 and t != 0)  // TMA alone: thread 0 issues every load
+                return;
+            if (Producer::kNumCopyThreads == 0)
+                ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
+            constexpr uint32_t kTxBytes =
+                (Producer::kNumCopyThreads > 0 ? 0 : Smem::kBytesA) + Smem::kBytesB + Producer::kScaleTxBytes;
+            comm::PassGate gate;
+            while (scheduler.next(tile)) {
+                gate.wait_for(p.ready_flags, tile.pass);
+                const auto rows = Producer::begin(p, tile.row_begin, tile.num_rows, t);
+                produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                    const uint32_t k = k_block * BLOCK_K_FP8;
+                    Producer::load(smem.a(stage), smem.scales(stage), p, rows, k, bar, t);
+                    if (t == 0)
+                        ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.group * p.n + tile.n_begin);
+                });
+            }
+        } else {
+            ptx::warpgroup_reg_alloc<kMathRegs>();
+            const uint32_t wg = threadIdx.x / 128;
+            uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
+            // This thread's two accumulator rows inside the tile (mma/wgmma_fp8.cuh).
+            const uint32_t scale_row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+            float acc[BLOCK_N / 2];
+            while (scheduler.next(tile)) {
+                const uint32_t row = wg * 64;
+                const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
+                                                   tile.n_begin};
+                const float* b_scales = p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
+                                        (tile.n_begin / 128) * p.b_scales_stride_n;
+                zero_accum(acc);
+                consume_k_blocks_fp8<BLOCK_N, kNumStages>(
+                    smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
+                    [&](uint32_t stage, uint32_t k_block) {
+                        const float b = __ldg(b_scales + k_block * p.b_scales_stride_k);
+                        const float* a = smem.scales(stage) + scale_row;
+                        return make_float2(a[0] * b, a[8] * b);
+                    },
+                    [](uint32_t) {
+                        if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy
+                            ptx::fence_view_async_shared();
+                    });
+                Epilogue::store(acc, p, rows, staging, 1 + wg);
+            }
+            Epilogue::drain();
+        }
+    }
+};
+
+}  // namespace deep_gemm

@@ -1,0 +1,208 @@
+"""Spec of the blockwise-FP8 grouped GEMMs.
+
+Kernel exactness: against an fp32 product of the dequantized operands, relative error <= 2e-3
+(the bf16 output's rounding). Recipe accuracy: against the fp32 product of the original bf16
+operands, no worse than PyTorch's rowwise FP8 grouped GEMM on the same data. GPU cases draw fresh
+random data in ragged, empty, single-row and one-huge groups and poison the output with NaN
+first: rows outside every group must stay NaN. Bad input is refused before any launch (runs
+anywhere). `python tests/test_fp8_gemm.py` prints one line per case.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from deep_gemm.quant import fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
+from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
+                               torch_fp8_rowwise_grouped_mm)
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+
+EXACT_TOL = 2e-3
+
+# (group sizes, N, K): ragged with every kind of tail, empty groups, one row, one huge group.
+CASES = [
+    ([0, 1, 127, 128, 129, 300, 0, 1000], 256, 512),
+    ([1], 128, 128),
+    ([5000], 384, 2048),
+    ([0, 0, 0], 256, 128),
+    ("uniform", 1536, 2048),
+    ("skewed", 768, 1024),
+]
+
+
+def _sizes(spec, num_groups: int = 32, total: int = 8192) -> list[int]:
+    return random_group_sizes(total, num_groups, spec) if isinstance(spec, str) else list(spec)
+
+
+def _problem(spec, n: int, k: int, data_gradient: bool = False):
+    """(sizes, bf16 A [M + 3, K], bf16 weights, B as the GEMM reads it ([G, N, K]), its FP8 pair):
+    the data gradient's weights are [G, K, N] and the GEMM reads their transposed copy."""
+    sizes = _sizes(spec)
+    a = torch.randn(sum(sizes) + 3, k, device="cuda", dtype=torch.bfloat16)  # 3 rows in no group
+    shape = (len(sizes), k, n) if data_gradient else (len(sizes), n, k)
+    w = (torch.randn(*shape, device="cuda") * torch.exp2(torch.randint(-3, 3, shape[:2] + (1,), device="cuda"))
+         / k**0.5).to(torch.bfloat16)
+    q = fp8_quantize_weights(w)
+    if data_gradient:
+        return sizes, a, w.transpose(1, 2), (q.data_t, q.scales.transpose(1, 2)), q
+    return sizes, a, w, (q.data, q.scales), q
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """fp32 ``A[rows of g] @ B[g].T`` for b ``[G, N, K]``."""
+    out, start = [], 0
+    for g, s in enumerate(sizes):
+        out.append(a[start:start + s].float() @ b[g].float().T)
+        start += s
+    return torch.cat(out) if out else a.new_zeros(0, b.shape[1], dtype=torch.float32)
+
+
+def _dequantized_b(b_fp8: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    data, scales = b_fp8
+    return data.float() * scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+
+
+def _run(spec, n, k, data_gradient=False, gather=False):
+    sizes, a, b, b_fp8, _ = _problem(spec, n, k, data_gradient)
+    offsets = offsets_from_sizes(sizes)
+    rows = sum(sizes)
+    index = None
+    if gather:  # rows picked with repeats from a source of another height; one index out of range
+        source = a[:max(rows // 3, 1)].contiguous()
+        index = torch.randint(0, source.shape[0], (a.shape[0],), device="cuda")
+        index[a.shape[0] // 2] = source.shape[0]
+        a = torch.cat([source, source.new_zeros(1, k)])[index]
+        a_fp8 = fp8_quantize_rows(source)
+    else:
+        a_fp8 = fp8_quantize_rows(a)
+    d = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), b_fp8, d, offsets, a_row_index=index)
+    torch.cuda.synchronize()
+    a_deq = reference.dequantize_rows(a_fp8)
+    if gather:
+        a_deq = torch.cat([a_deq, a_deq.new_zeros(1, k)])[index]
+    exact = relative_error(d[:rows], _reference(a_deq, _dequantized_b(b_fp8), sizes)) if rows else 0.0
+    return sizes, a, b, offsets, d, exact
+
+
+@requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+@pytest.mark.parametrize("data_gradient", [False, True], ids=["forward", "data_gradient"])
+@pytest.mark.parametrize("spec,n,k", CASES)
+def test_product_of_the_dequantized_operands(spec, n, k, data_gradient, gather):
+    sizes, _, _, _, d, exact = _run(spec, n, k, data_gradient, gather)
+    assert exact <= EXACT_TOL, f"sizes={sizes[:8]}... error {exact:.2e}"
+    assert bool(torch.isnan(d[sum(sizes):]).all()), "rows outside every group were written"
+
+
+@requires_sm90
+@pytest.mark.parametrize("spec,n,k", [("uniform", 1536, 2048), ("skewed", 2048, 768), ([5000], 384, 2048)])
+def test_blockwise_recipe_is_at_least_as_accurate_as_torch_rowwise(spec, n, k):
+    sizes, a, b, offsets, d, _ = _run(spec, n, k)
+    rows = sum(sizes)
+    exact = _reference(a, b, sizes)
+    ours = relative_error(d[:rows], exact)
+    theirs = relative_error(torch_fp8_rowwise_grouped_mm(a[:rows], b.contiguous(), offsets), exact)
+    assert ours <= theirs, f"blockwise {ours:.2e} vs rowwise {theirs:.2e}"
+
+
+@requires_sm90
+def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
+    """5 groups x 2 passes; flags already set (nothing to wait for); then one pass per launch."""
+    run_sizes = [0, 0, 1, 0, 60, 70, 30, 34, 0, 200]
+    sizes = [run_sizes[2 * g] + run_sizes[2 * g + 1] for g in range(5)]
+    a = torch.randn(sum(run_sizes), 256, device="cuda", dtype=torch.bfloat16)
+    w = fp8_quantize_weights(torch.randn(5, 128, 256, device="cuda", dtype=torch.bfloat16))
+    a_fp8 = fp8_quantize_rows(a)
+    run_offsets = offsets_from_sizes(run_sizes)
+    ref = _reference(reference.dequantize_rows(a_fp8), _dequantized_b((w.data, w.scales)), sizes)
+    flags = torch.ones(2, dtype=torch.int32, device="cuda")
+    d = torch.full((a.shape[0], 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), d, run_offsets,
+                                               num_passes=2, ready_flags=flags)
+    assert relative_error(d, ref) <= EXACT_TOL
+    d.fill_(float("nan"))
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), d, run_offsets,
+                                               num_passes=2, pass_range=(1, 2))
+    second = torch.zeros(a.shape[0], dtype=torch.bool, device="cuda")
+    for run, (lo, hi) in enumerate(zip(run_offsets[:-1].tolist(), run_offsets[1:].tolist())):
+        second[lo:hi] = run % 2 == 1
+    assert bool(torch.isnan(d[~second]).all()) and not bool(torch.isnan(d[second]).any())
+    assert relative_error(d[second], ref[second]) <= EXACT_TOL
+
+
+def _operands(m=256, n=256, k=256, g=2, device="cpu"):
+    a = fp8_quantize_rows(torch.randn(m, k, dtype=torch.bfloat16, device=device))
+    w = fp8_quantize_weights(torch.randn(g, n, k, dtype=torch.bfloat16, device=device))
+    d = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    offsets = torch.tensor([0, m // 2, m], dtype=torch.int32, device=device)
+    return (a.data, a.scales), (w.data, w.scales), d, offsets
+
+
+def _bad(**change):
+    """The GEMM on CPU operands with one part replaced (devices are checked last, so every other
+    check runs here)."""
+    a, b, d, offsets = _operands()
+    a, b = change.get("a", a), change.get("b", b)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, change.get("d", d), change.get("offsets", offsets))
+
+
+_A, _B, _D, _OFFSETS = _operands()
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(a=(_A[0].float(), _A[1])), "float8_e4m3fn"),
+    (dict(b=(_B[0].to(torch.bfloat16), _B[1])), "float8_e4m3fn"),
+    (dict(d=_D.float()), "bfloat16"),
+    (dict(a=(_A[0], _A[1].contiguous())), "column-major"),  # row-major scales
+    (dict(a=(_A[0], _A[1][:, :1])), "a_scales must have shape"),
+    (dict(a=(_A[0], _A[1].double())), "float32"),
+    (dict(b=(_B[0], _B[1][:, :, :1])), "b_scales must have shape"),
+    (dict(b=(_B[0], _B[1].half())), "float32"),
+    (dict(b=(_B[0][:, :, :128].contiguous(), _B[1])), "contraction sizes differ"),
+    (dict(a=_A[0]), "a must be a \\(data, scales\\) pair"),
+    (dict(a=(fp8_quantize_rows(torch.randn(256, 512, dtype=torch.bfloat16)).data[:, :256], _A[1])), "contiguous"),
+    (dict(offsets=torch.tensor([0, 256], dtype=torch.int32)), "groups"),
+])
+def test_bad_input_is_refused_before_any_launch(change, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        _bad(**change)
+
+
+def test_k_and_n_must_be_multiples_of_128():
+    a = fp8_quantize_rows(torch.randn(8, 128, dtype=torch.bfloat16))
+    w = torch.zeros(1, 136, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="N = 136 must be a multiple of 128"):
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), (w, torch.ones(1, 2, 1)),
+                                                   torch.empty(8, 136, dtype=torch.bfloat16),
+                                                   torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_cpu_tensors_are_refused_last():
+    with pytest.raises(ValueError, match="CUDA"):
+        _bad()
+
+
+if __name__ == "__main__":
+    if not HAS_SM90:
+        sys.exit("needs an sm_90 GPU")
+    print(f"{'case':<34} {'kind':<14} {'rows':>6} {'exact err':>9} {'vs bf16 (ours)':>14} {'torch rowwise':>13}")
+    for spec, n, k in CASES:
+        for data_gradient in (False, True):
+            sizes, a, b, offsets, d, exact = _run(spec, n, k, data_gradient)
+            rows = sum(sizes)
+            ref = _reference(a, b, sizes)
+            ours = relative_error(d[:rows], ref) if rows else 0.0
+            theirs = (relative_error(torch_fp8_rowwise_grouped_mm(a[:rows], b.contiguous(), offsets), ref)
+                      if rows and not data_gradient else float("nan"))
+            label = str(spec if isinstance(spec, str) else spec[:4]) + f" N={n} K={k}"
+            print(f"{label:<34} {'dgrad' if data_gradient else 'fwd':<14} {rows:>6} {exact:>9.2e} {ours:>14.2e} "
+                  f"{theirs:>13.2e}")
