@@ -5,6 +5,7 @@ needs no GPU.
 """
 from .gemm import (
     k_grouped_bf16_gemm_tn_contiguous,
+    k_grouped_fp8_gemm_tn_contiguous,
     m_grouped_bf16_gemm_nn_contiguous,
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
@@ -44,4 +45,5 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_swiglu_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
     "m_grouped_fp8_gemm_nt_contiguous",
+    "k_grouped_fp8_gemm_tn_contiguous",
 ]

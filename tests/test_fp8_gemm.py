@@ -1,7 +1,8 @@
-"""Spec of the blockwise-FP8 grouped GEMMs.
+"""Spec of the blockwise-FP8 grouped GEMMs: m-grouped (forward, data gradient) and k-grouped
+(weight gradients, on the column copies).
 
 Kernel exactness: against an fp32 product of the dequantized operands, relative error <= 2e-3
-(the bf16 output's rounding). Recipe accuracy: against the fp32 product of the original bf16
+(a bf16 output's rounding; the FP8 MMAs' reduced-precision sums inside each 128-deep block). Recipe accuracy: against the fp32 product of the original bf16
 operands, no worse than PyTorch's rowwise FP8 grouped GEMM on the same data. GPU cases draw fresh
 random data in ragged, empty, single-row and one-huge groups and poison the output with NaN
 first: rows outside every group must stay NaN. Bad input is refused before any launch (runs
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from deep_gemm.quant import fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
+from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
 from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
                                torch_fp8_rowwise_grouped_mm)
 
@@ -139,6 +140,78 @@ def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     assert relative_error(d[second], ref[second]) <= EXACT_TOL
 
 
+# Weight gradients: (group sizes, M, N).
+K_CASES = [
+    ([0, 1, 127, 128, 129, 300, 0, 1000], 256, 512),
+    ([1], 128, 128),
+    ([5000], 384, 256),
+    ([0, 0], 256, 256),
+    ("uniform", 1536, 2048),
+    ("skewed", 768, 1024),
+]
+
+
+def _run_k_grouped(spec, m, n, out_dtype, accumulate):
+    sizes = _sizes(spec)
+    offsets = offsets_from_sizes(sizes)
+    rows = sum(sizes)
+    x_a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+    x_b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    _, a = fp8_quantize_columns(x_a, offsets)
+    _, b = fp8_quantize_columns(x_b, offsets)
+    deq_a, deq_b = (reference.dequantize_columns(c, offsets.cpu(), rows).cuda() for c in (a, b))
+    bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+    exact = torch.stack([deq_a[lo:hi].T @ deq_b[lo:hi] for lo, hi in bounds])
+    recipe = torch.stack([x_a[lo:hi].float().T @ x_b[lo:hi].float() for lo, hi in bounds])
+    if accumulate:
+        d = torch.randn(len(sizes), m, n, device="cuda").to(out_dtype)
+        exact, recipe = exact + d.float(), recipe + d.float()
+    else:
+        d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
+    deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets,
+                                               accumulate=accumulate)
+    torch.cuda.synchronize()
+    return sizes, relative_error(d, exact), relative_error(d, recipe)
+
+
+K_VARIANTS = [(dtype, accumulate) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)]
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype,accumulate", K_VARIANTS,
+                         ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}" for t, a in K_VARIANTS])
+@pytest.mark.parametrize("spec,m,n", K_CASES)
+def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, out_dtype, accumulate):
+    """Every group written (an empty one: zeros, or unchanged when accumulating)."""
+    sizes, exact, _ = _run_k_grouped(spec, m, n, out_dtype, accumulate)
+    assert exact <= EXACT_TOL, f"sizes={sizes[:8]}... error {exact:.2e}"
+
+
+def _columns(rows=300, width=256, sizes=(100, 200), device="cpu"):
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    _, c = fp8_quantize_columns(torch.randn(rows, width, dtype=torch.bfloat16, device=device), offsets)
+    return c
+
+
+_COLS_A, _COLS_B = _columns(), _columns(width=128)
+
+
+@pytest.mark.parametrize("a,b,d,error", [
+    ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data.float(), _COLS_B.scales), torch.empty(2, 256, 128), "float8_e4m3fn"),
+    ((_COLS_A.data, _COLS_A.scales[:1]), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128), "scales must have shape"),
+    ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data[:, :128].contiguous(), _COLS_B.scales[:1].contiguous()),
+     torch.empty(2, 256, 128), "same padded rows"),
+    ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 128, 256), "d must have shape"),
+    ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128, dtype=torch.half),
+     "dtype"),
+    (_COLS_A.data, (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128), "pair"),
+    ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128), "CUDA"),  # devices last
+])
+def test_weight_gradient_refuses_bad_input_before_any_launch(a, b, d, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        deep_gemm.k_grouped_fp8_gemm_tn_contiguous(a, b, d, _COLS_A.padded_offsets)
+
+
 def _operands(m=256, n=256, k=256, g=2, device="cpu"):
     a = fp8_quantize_rows(torch.randn(m, k, dtype=torch.bfloat16, device=device))
     w = fp8_quantize_weights(torch.randn(g, n, k, dtype=torch.bfloat16, device=device))
@@ -194,6 +267,11 @@ def test_cpu_tensors_are_refused_last():
 if __name__ == "__main__":
     if not HAS_SM90:
         sys.exit("needs an sm_90 GPU")
+    print(f"{'weight gradient case':<34} {'out':<14} {'rows':>6} {'exact err':>9} {'vs bf16 (ours)':>14}")
+    for spec, m, n in K_CASES:
+        sizes, exact, recipe = _run_k_grouped(spec, m, n, torch.float32, False)
+        label = str(spec if isinstance(spec, str) else spec[:4]) + f" M={m} N={n}"
+        print(f"{label:<34} {'fp32':<14} {sum(sizes):>6} {exact:>9.2e} {recipe:>14.2e}")
     print(f"{'case':<34} {'kind':<14} {'rows':>6} {'exact err':>9} {'vs bf16 (ours)':>14} {'torch rowwise':>13}")
     for spec, n, k in CASES:
         for data_gradient in (False, True):

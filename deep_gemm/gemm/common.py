@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..jit.runtime import Kernel
 from ..utils import get_num_sms
 
@@ -92,3 +94,10 @@ def grid_size(kernel: Kernel, num_tiles: int, device: int) -> int:
             raise ValueError(f"a config with clusters of {cluster} CTAs needs {cluster} SMs at once "
                              f"(set_num_sms: {get_num_sms(device)}); pick a config without B multicast")
     return num_ctas
+
+
+def fp8_operand(name: str, operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 GEMM operand: a ``(data, scales)`` pair (checked by the caller)."""
+    if not (isinstance(operand, (tuple, list)) and len(operand) == 2):
+        raise TypeError(f"{name} must be a (data, scales) pair, got {type(operand).__name__}")
+    return operand[0], operand[1]

@@ -15,7 +15,7 @@ from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
 from ..utils import check_multiple, print_configs_enabled
-from .common import BLOCK_M, NUM_THREADS, grid_size, make_config
+from .common import BLOCK_M, NUM_THREADS, fp8_operand, grid_size, make_config
 from .m_grouped_bf16 import BF16_STORE, MGroupedProblem, tensor_store_staging_bytes
 
 BLOCK_K = 128  # one scale block of K a stage
@@ -66,12 +66,6 @@ def _check_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, a_rows: int, k
         raise ValueError(f"b_scales' strides must be in [0, 2**31), got {b_scales.stride()}")
 
 
-def _pair(name: str, operand) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(operand, (tuple, list)) and len(operand) == 2):
-        raise TypeError(f"{name} must be a (data, scales) pair, got {type(operand).__name__}")
-    return operand
-
-
 _printed: set = set()
 
 
@@ -103,7 +97,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
     Requires K and N multiples of 128 and 16-byte aligned tensors. Each 128-deep block of K is
     multiplied into fresh fp32 registers, then added to the sum times its A and B scales.
     """
-    (a_data, a_scales), (b_data, b_scales) = _pair("a", a), _pair("b", b)
+    (a_data, a_scales), (b_data, b_scales) = fp8_operand("a", a), fp8_operand("b", b)
     problem = MGroupedProblem.check_shapes(a_data, b_data, d, group_offsets, False, a_row_index, num_passes,
                                            ready_flags, pass_range, operand_dtype=torch.float8_e4m3fn)
     check_multiple("K", problem.k, BLOCK_K)

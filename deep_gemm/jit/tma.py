@@ -58,9 +58,10 @@ def make_tma_3d_desc(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
 
 
 def make_tma_scales_desc(scales: torch.Tensor, box_rows: int = 128) -> bytes:
-    """The CUtensorMap of FP8 row scales ``[M, K / 128]`` fp32 stored column-major with a
-    16-byte aligned column stride (`deep_gemm.quant.Fp8Rows.scales`): boxes of `box_rows`
-    consecutive rows' scales of one k-block, unswizzled; rows past M read as zeros."""
+    """The CUtensorMap of FP8 scales ``[X, B]`` fp32 stored column-major with a 16-byte aligned
+    column stride (`deep_gemm.quant.Fp8Rows.scales`, or the transpose of `Fp8Columns.scales`):
+    boxes of `box_rows` consecutive scales of one block column, unswizzled; rows past X read as
+    zeros."""
     m, num_k_blocks = scales.shape
     assert scales.dtype == torch.float32 and scales.stride(0) == 1 and scales.stride(1) % 4 == 0
     return _encode(scales.device.index, torch.float32, scales.data_ptr(), (m, num_k_blocks), (scales.stride(1) * 4,),

@@ -96,7 +96,7 @@ struct Sm90FP8MGroupedGemm {
                     [&](uint32_t stage, uint32_t k_block) {
                         const float b = __ldg(b_scales + k_block * p.b_scales_stride_k);
                         const float* a = smem.scales(stage) + scale_row;
-                        return make_float2(a[0] * b, a[8] * b);
+                        return RowScales{{a[0] * b, a[8] * b}};
                     },
                     [](uint32_t) {
                         if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy

@@ -12,15 +12,50 @@ namespace deep_gemm::mma {
 constexpr uint32_t BLOCK_K_FP8 = 128;  // one 128-byte swizzle row of e4m3
 constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads / 32;  // every math warp releases a stage itself
 
-// The scales of a thread's two accumulator rows (mma/wgmma_fp8.cuh: accumulator i is in row
-// lane / 4 + 8 * ((i / 2) % 2) of its warp's 16): `scale(stage, k_block)` returns them for the
-// k-block, products of A's and B's scales. It runs while the block's MMAs are in flight and may
-// read the stage (e.g. A's scales in shared memory): each warp releases the stage only after it.
+// A thread's share of a k-block's scales, which `promote` applies: acc += part * scale. The
+// accumulator layout is mma/wgmma_fp8.cuh's: accumulator i is in row lane / 4 + 8 * ((i / 2) % 2)
+// of its warp's 16 and column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
+
+// One scale per row (A's per row, times the tile's one B scale): the forward and data gradient.
+struct RowScales {
+    float row[2];
+
+    template <uint32_t kNum>
+    __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNum; ++i)
+            acc[i] = fmaf(part[i], row[(i / 2) % 2], acc[i]);
+    }
+};
+
+// One scale per row and one per column (the weight gradient: both operands per 128 x 1). The
+// column scales are read from the stage while promoting (registers are short: accumulators and
+// fresh products take 128 of a thread's 168 at BLOCK_N = 128).
+template <uint32_t BLOCK_N>
+struct RowColumnScales {
+    float row[2];
+    const float* cols;  // the tile's BLOCK_N column scales in shared memory
+
+    __device__ __forceinline__ void promote(const float (&part)[BLOCK_N / 2], float (&acc)[BLOCK_N / 2]) const {
+        const float* mine = cols + (ptx::lane_idx() % 4) * 2;
+        #pragma unroll
+        for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {  // columns 8 j + (lane % 4) * 2 + {0, 1}
+            const float2 c = *reinterpret_cast<const float2*>(mine + 8 * j);
+            #pragma unroll
+            for (uint32_t i = 4 * j; i < 4 * j + 4; ++i)
+                acc[i] = fmaf(part[i] * (i % 2 ? c.y : c.x), row[(i / 2) % 2], acc[i]);
+        }
+    }
+};
+
+// One math warpgroup's FP8 mainloop. `scales(stage, k_block)` returns the k-block's scales
+// (RowScales, RowColumnScales); it runs while the block's MMAs are in flight. Both it and the
+// promotion may read the stage (scales in shared memory): each warp releases the stage after them.
 // `before_mma(stage)` runs after the stage has landed and before any MMA reads it.
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename Smem, typename Scale, typename BeforeMMA>
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Smem, typename Scales, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
-                                                     const Scale& scale, const BeforeMMA& before_mma) {
+                                                     const Scales& scales, const BeforeMMA& before_mma) {
     float part[BLOCK_N / 2];
     const bool releases = ptx::lane_idx() == 0;
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
@@ -34,13 +69,11 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
                                    make_operand_desc<Major::kKMajor>(smem.b(pipe.stage), k), part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
-        const float2 s = scale(pipe.stage, k_block);
+        const auto s = scales(pipe.stage, k_block);
         warpgroup_wait<0>();
+        s.promote(part, acc);
         if (releases)
             smem.empty(pipe.stage)->arrive();
-        #pragma unroll
-        for (uint32_t i = 0; i < BLOCK_N / 2; ++i)
-            acc[i] = fmaf(part[i], (i / 2) % 2 ? s.y : s.x, acc[i]);
         pipe.template advance<kNumStages>();
     }
 }

@@ -1,0 +1,95 @@
+#pragma once
+// K-grouped blockwise-FP8 GEMM on Hopper (weight gradients): D[g] = A_g @ B_g.T, contracting over
+// group g's rows (tokens), from the transposed, column-quantized copies of deep_gemm.quant's
+// Fp8Columns (docs/DESIGN.md, "Blockwise FP8"): A [M, Mp] and B [N, Mp] e4m3, K-major, each
+// group's tokens padded with zeros to a multiple of 128 (group_offsets: the padded offsets), one
+// scale per 128 tokens x 1 column of each. D [G, M, N] fp32 or bf16, written or added to as the
+// k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
+// kernel's; the mainloop promotes every 128-token block with its row and column scales
+// (mma/pipeline_fp8.cuh). Every operand, scales included, comes by TMA from one producer thread.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include "../epilogue/k_grouped.cuh"
+#include "../mma/pipeline_fp8.cuh"
+#include "../ptx/tma.cuh"
+#include "../scheduler/grouped.cuh"
+
+namespace deep_gemm {
+
+struct alignas(128) KGroupedFp8GemmParams {
+    CUtensorMap tensor_map_a;         // A [M, rows] e4m3; box {128 (tokens), 128 (M)}
+    CUtensorMap tensor_map_b;         // B [N, rows] e4m3; box {128, BLOCK_N}
+    CUtensorMap tensor_map_d;         // D [G, M, N]; box {128 bytes of N, 64 (M), 1} (epilogue::TensorStores)
+    CUtensorMap tensor_map_scales_a;  // A's scales [rows / 128][M] fp32; box {128, 1}
+    CUtensorMap tensor_map_scales_b;  // B's scales [rows / 128][N] fp32; box {BLOCK_N, 1}
+    void* d;                          // [G, M, N]
+    const int* group_offsets;         // [G + 1], multiples of 128 (the padded offsets)
+    uint32_t m, n, rows, num_groups;
+};
+
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
+struct Sm90FP8KGroupedGemm {
+    static constexpr uint32_t BLOCK_M = 128;
+    static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
+    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
+    static constexpr uint32_t kNumThreads = mma::kNumThreads;
+    static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
+
+    __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
+        using namespace mma;
+        using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
+        extern __shared__ __align__(1024) uint8_t smem_buffer[];
+        const Smem smem{smem_buffer};
+
+        start_gemm<0, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        if (threadIdx.x == 0)
+            Epilogue::prefetch(p);
+
+        Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
+        typename Scheduler::Tile tile;
+        PipelineState pipe;
+
+        if (threadIdx.x >= kNumMathThreads) {
+            ptx::warpgroup_reg_dealloc<kProducerRegs>();
+            if (threadIdx.x != kNumMathThreads)
+                return;
+            ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
+            ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
+            while (scheduler.next(tile)) {
+                const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
+                produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                    const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
+                    ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
+                    ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
+                    ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
+                    ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin,
+                                     k / BLOCK_K_FP8);
+                });
+            }
+        } else {
+            ptx::warpgroup_reg_alloc<kMathRegs>();
+            const uint32_t wg = threadIdx.x / 128;
+            uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
+            // This thread's first accumulator row inside the tile (mma/wgmma_fp8.cuh).
+            const uint32_t scale_row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+            float acc[BLOCK_N / 2];
+            while (scheduler.next(tile)) {
+                const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
+                if (Epilogue::kAccumulates and num_k_blocks == 0)
+                    continue;  // an empty group adds nothing
+                zero_accum(acc);
+                consume_k_blocks_fp8<BLOCK_N, kNumStages>(
+                    smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
+                    [&](uint32_t stage, uint32_t) {
+                        const float* rows = smem.scales(stage) + scale_row;
+                        return RowColumnScales<BLOCK_N>{{rows[0], rows[8]}, smem.scales(stage) + BLOCK_M};
+                    },
+                    [](uint32_t) {});
+                Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);
+            }
+            Epilogue::drain();
+        }
+    }
+};
+
+}  // namespace deep_gemm
