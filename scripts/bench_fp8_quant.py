@@ -91,7 +91,7 @@ def main() -> None:
                     continue  # no groups there: one routing is enough
                 ours_ms, theirs_ms = bench_ms(ours), bench_ms(theirs)
                 src = torch.empty(in_bytes, dtype=torch.uint8, device="cuda")
-                copy_ms = bench_ms(lambda: src.clone())
+                copy_ms = bench_ms(lambda src=src: src.clone())
                 print(f"{model:<6} {routing:<8} {label:<14} {ours_ms:>8.3f} {_gbps(our_bytes, ours_ms):>6.0f} "
                       f"{theirs_ms:>9.3f} {_gbps(torch_bytes, theirs_ms):>6.0f} {_gbps(2 * in_bytes, copy_ms):>9.0f} "
                       f"{'yes' if check() else 'NO':>5}")

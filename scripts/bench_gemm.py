@@ -16,7 +16,16 @@ output); the "wgrad1" and "wgrad2" rows of the same run have torch's bf16 GEMM a
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
 torch's interleaved in rounds so clock drift hits both alike.
 
+`--precision fp8` times the blockwise-FP8 GEMMs of the same six (weight gradients with fp32
+output) on operands quantized beforehand (scripts/bench_fp8_quant.py times the quantization),
+against our bf16 GEMM of the same shape and torch._scaled_grouped_mm with rowwise e4m3 scales
+and fast accumulation, all three in one run. torch's weight-gradient form refuses empty groups
+and groups that are not multiples of 16, so it gets every group padded with zero rows to a
+multiple of 16 (at least 16); its TFLOPS count our unpadded FLOPs. Errors: against the fp32
+product of the original bf16 operands (weight gradients: over the first four groups).
+
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
+                                 [--precision bf16,fp8]
 
 It uses the public GEMM functions only, so it also times another checkout of the library on
 the same terms (an A/B: put this script in that checkout's scripts/). Needs a Hopper GPU.
@@ -35,7 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
+from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
+from deep_gemm.testing.fp8_baseline import quantize_rowwise  # noqa: E402
 
 
 def gemm_cases(hidden: int, inter: int):
@@ -135,6 +146,95 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
     return ours_ms, torch_ms, err, flops, swept
 
 
+FP8_CASES = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1 fp32", "wgrad2 fp32")
+
+
+def _sliced_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """relative_error on the first 16M elements (fp64 copies of the largest outputs would not fit)."""
+    return relative_error(out.flatten()[:1 << 24].float(), ref.flatten()[:1 << 24].float())
+
+
+def _torch_fp8_wgrad(a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
+    """torch._scaled_grouped_mm's weight gradient ``[G, M, N]`` of a ``[R, M]``, b ``[R, N]``
+    bf16, on groups padded with zero rows to multiples of 16 (at least 16), scales per group and
+    column (rowwise along the tokens): (a function running it, its padded rows)."""
+    padded = [max(16, -(-s // 16) * 16) for s in sizes]
+    pa = a.new_zeros(sum(padded), a.shape[1])
+    pb = b.new_zeros(sum(padded), b.shape[1])
+    src = dst = 0
+    qa, qb, sa, sb = [], [], [], []
+    for s, p in zip(sizes, padded):
+        pa[dst:dst + s], pb[dst:dst + s] = a[src:src + s], b[src:src + s]
+        q, scale = quantize_rowwise(pa[dst:dst + p].T)  # [M, p], one scale per column of the group
+        qa.append(q), sa.append(scale)
+        q, scale = quantize_rowwise(pb[dst:dst + p].T)
+        qb.append(q), sb.append(scale)
+        src, dst = src + s, dst + p
+    mat_a = torch.cat(qa, dim=1).contiguous()  # [M, R'] row-major
+    mat_b = torch.cat(qb, dim=1).contiguous().T  # [R', N] column-major
+    scale_a, scale_b = torch.cat(sa), torch.cat(sb)  # [G * M], [G * N]
+    ends = offsets_from_sizes(padded)[1:].contiguous()
+    return (lambda: torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16,
+                                             use_fast_accum=True)), sum(padded)
+
+
+def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int]) -> dict:
+    """ms of ours (FP8), our bf16 GEMM and torch's FP8 rowwise GEMM, FLOPs, and the two FP8 errors
+    against the fp32 product of the bf16 operands."""
+    rows, num_groups = sum(sizes), len(sizes)
+    offsets = offsets_from_sizes(sizes)
+    if label.startswith("wgrad"):
+        m, n = d1, d2
+        a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        (_, qa), (_, qb) = fp8_quantize_columns(a, offsets), fp8_quantize_columns(b, offsets)
+        d = torch.empty(num_groups, m, n, device="cuda", dtype=torch.float32)
+        d_bf16 = torch.empty_like(d)
+        ours = lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,  # noqa: E731
+                                                                  qa.padded_offsets)
+        bf16 = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d_bf16, offsets)  # noqa: E731
+        theirs, _ = _torch_fp8_wgrad(a, b, sizes)
+        bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))[:4]  # errors over the first 4 groups
+        exact = lambda: torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in bounds])  # noqa: E731
+        theirs_out = lambda: theirs()[:4]  # noqa: E731
+        out = lambda: d[:4]  # noqa: E731
+        flops = 2 * rows * m * n
+    else:
+        n, k = d1, d2
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        forward = label.startswith("fwd")
+        # b as the GEMM reads it: [G, N, K] (the forward's weights, or the data gradient's transposed copy)
+        w = torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda", dtype=torch.bfloat16) / k**0.5
+        qx, qw = fp8_quantize_rows(x), fp8_quantize_weights(w)
+        b_fp8 = (qw.data, qw.scales) if forward else (qw.data_t, qw.scales.transpose(1, 2))
+        b_nk = w if forward else w.transpose(1, 2).contiguous()
+        d, d_bf16 = (torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ours = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((qx.data, qx.scales), b_fp8, d, offsets)  # noqa: E731
+        bf16_fn = deep_gemm.m_grouped_bf16_gemm_nt_contiguous if forward else deep_gemm.m_grouped_bf16_gemm_nn_contiguous
+        bf16 = lambda: bf16_fn(x, w, d_bf16, offsets)  # noqa: E731
+        qa, sa = quantize_rowwise(x)
+        qb, sb = quantize_rowwise(b_nk)
+        ends = offsets[1:].contiguous()
+        theirs = lambda: torch._scaled_grouped_mm(qa, qb.transpose(-2, -1), sa, sb, offs=ends,  # noqa: E731
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
+        exact = lambda: torch.cat([x[lo:hi].float() @ b_nk[g].float().T  # noqa: E731
+                                   for g, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist()))])
+        theirs_out, out = theirs, (lambda: d)
+        flops = 2 * rows * n * k
+    ours()
+    ref = exact()
+    err = _sliced_error(out(), ref)
+    try:
+        torch_err = _sliced_error(theirs_out(), ref)
+    except Exception as e:  # a torch version without this layout: report, keep going
+        print(f"torch._scaled_grouped_mm failed for {label}: {e}", flush=True)
+        theirs, torch_err = None, float("nan")
+    del ref
+    ours_ms, torch_ms = interleaved_ms(ours, theirs)
+    bf16_ms, _ = interleaved_ms(bf16, None)
+    return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, flops=flops, err=err, torch_err=torch_err)
+
+
 def interleaved_ms(fn, baseline, rounds: int = 3):
     """Median over `rounds` alternating rounds of (fn, baseline) timings: slow drifts of the
     GPU's clock hit both sides alike."""
@@ -176,6 +276,7 @@ def main() -> None:
     parser.add_argument("--launch-overhead", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="comma-separated GEMM labels to run (e.g. wgrad1), for profilers")
+    parser.add_argument("--precision", default="bf16", help="bf16 (ours vs torch._grouped_mm), fp8 (see above), or both")
     args = parser.parse_args()
     require_sm90("bench_gemm.py")
     torch.manual_seed(args.seed)
@@ -183,23 +284,40 @@ def main() -> None:
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     warm_up_gpu()
-    header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
-              f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
-    if args.sweep:
-        header += "  sweep ms: config label (GemmConfig.label)"
-    lines = [header]
-    print(header, flush=True)
-    for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
-        if args.only and label not in args.only.split(","):
-            continue
-        ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
-        shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
-        line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
-                f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
-        if swept:
-            line += "  " + " ".join(f"{c.label}:{ms:.3f}" for c, ms in swept.items())
-        lines.append(line)
-        print(line, flush=True)
+    lines = []
+    if "bf16" in args.precision.split(","):
+        header = (f"{'model':<5} {'route':<7} {'gemm':<12} {'shape (rows,N,K | M,N)':<24} {'ours ms':>8} {'TFLOPS':>7} "
+                  f"{'torch ms':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8}")
+        if args.sweep:
+            header += "  sweep ms: config label (GemmConfig.label)"
+        lines.append(header)
+        print(header, flush=True)
+        for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
+            if args.only and label not in args.only.split(","):
+                continue
+            ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
+            shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
+            line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
+                    f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
+            if swept:
+                line += "  " + " ".join(f"{c.label}:{ms:.3f}" for c, ms in swept.items())
+            lines.append(line)
+            print(line, flush=True)
+    if "fp8" in args.precision.split(","):
+        header = (f"{'model':<5} {'route':<7} {'fp8 gemm':<12} {'shape':<18} {'ours ms':>8} {'TFLOPS':>7} {'vs bf16':>7} "
+                  f"{'torch fp8':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8} {'torch err':>9}")
+        lines.append(header)
+        print(header, flush=True)
+        for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
+            if label not in FP8_CASES or (args.only and label not in args.only.split(",")):
+                continue
+            r = run_fp8_case(label, d1, d2, sizes)
+            shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
+            line = (f"{model:<5} {routing:<7} {label:<12} {shape:<18} {r['ours']:>8.3f} {r['flops'] / r['ours'] / 1e9:>7.0f} "
+                    f"{r['bf16'] / r['ours']:>6.2f}x {r['torch']:>9.3f} {r['flops'] / r['torch'] / 1e9:>7.0f} "
+                    f"{r['torch'] / r['ours']:>6.2f} {r['err']:>8.1e} {r['torch_err']:>9.1e}")
+            lines.append(line)
+            print(line, flush=True)
     if args.launch_overhead:
         ours_us, torch_us = launch_overhead_us()
         lines.append(f"host launch overhead per call: ours {ours_us:.1f} us, torch._grouped_mm {torch_us:.1f} us")

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
-# Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,quant_bench,moe_bench,train by
+# Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,fp8_bench,quant_bench,moe_bench,train by
 # default; TEST_GROUPS picks test groups): the offline editable install, imported from another
 # directory; every kernel variant compiled in parallel (python -m deep_gemm.precompile); the GPU
 # tests; WGMMA / local-memory check of every cached GEMM; compute-sanitizer memcheck and
-# racecheck on a small case; the GEMM benchmark (BENCH_ARGS); the FP8 quantization benchmark;
-# the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot; scripts/train_moe.py (TRAIN_ARGS;
-# transformers' eager backend as well by default, whose loss curve against grouped_mm's shows
-# how far two bf16 implementations drift apart anyway).
+# racecheck on a small case; the GEMM benchmark (BENCH_ARGS), its FP8 rows (FP8_BENCH_ARGS);
+# the FP8 quantization benchmark; the MoE-layer benchmark (MOE_BENCH_ARGS) with its plot;
+# scripts/train_moe.py (TRAIN_ARGS; transformers' eager backend as well by default, whose loss
+# curve against grouped_mm's shows how far two bf16 implementations drift apart anyway).
 # Every step runs under a hard timeout so a hung kernel cannot eat the device lease. Logs go
 # under $OUT (or ./device_out); the benchmark table is printed last. Benchmarks that outrun their
 # limit get SIGABRT first, so faulthandler prints where every thread stood.
@@ -16,7 +16,7 @@ set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.jit_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STEPS=${STEPS:-install,precompile,tests,sass,sanitizer,bench,quant_bench,moe_bench,train}
+STEPS=${STEPS:-install,precompile,tests,sass,sanitizer,bench,fp8_bench,quant_bench,moe_bench,train}
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import require_sm90; require_sm90('device_check.sh')" || exit 1
@@ -63,6 +63,10 @@ if has sanitizer; then
 fi
 if has bench; then
   timeout -k 10 -s ABRT ${BENCH_LIMIT:-400} python3 -X faulthandler scripts/bench_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -50
+fi
+if has fp8_bench; then
+  timeout -k 10 -s ABRT ${FP8_BENCH_LIMIT:-400} python3 -X faulthandler scripts/bench_gemm.py --precision fp8 \
+    ${FP8_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_fp8.log" | tail -40
 fi
 if has quant_bench; then
   timeout -k 10 -s ABRT ${QUANT_BENCH_LIMIT:-200} python3 -X faulthandler scripts/bench_fp8_quant.py 2>&1 \

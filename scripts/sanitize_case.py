@@ -1,6 +1,6 @@
 """A small run of every kernel variant (the grouped GEMMs with and without row gathers, in
 passes, the MoE layer forward and backward, the wait for other GPUs' partial sums and the
-combine that adds them, the FP8 quantization) for compute-sanitizer memcheck and racecheck:
+combine that adds them, the FP8 quantization and GEMMs) for compute-sanitizer memcheck and racecheck:
 
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py
 
@@ -64,11 +64,27 @@ layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
 moe_combine_bf16(torch.randn(400, 256, device="cuda", dtype=torch.bfloat16), layout, p["topk_weights"],
                  torch.empty(100, 256, device="cuda", dtype=torch.bfloat16),
                  addend=torch.randn(2, 120, 256, device="cuda", dtype=torch.bfloat16))
-# FP8 quantization: ragged, empty and one-row groups, both scale rules.
+# FP8 quantization (ragged, empty and one-row groups, both scale rules) and the FP8 GEMMs.
 x8 = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
 for pow2 in (False, True):
     fp8_quantize_rows(x8, power_of_two_scales=pow2)
     fp8_quantize_columns(x8, offsets, with_rows=True, power_of_two_scales=pow2)
     fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16), power_of_two_scales=pow2)
+a8 = fp8_quantize_rows(x8)
+w8 = fp8_quantize_weights(torch.randn(len(sizes), 384, 256, device="cuda", dtype=torch.bfloat16))
+d8 = torch.empty(rows, 384, device="cuda", dtype=torch.bfloat16)
+for row_index in (None, index):
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, offsets,
+                                               a_row_index=row_index)
+dx8 = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
+_, c1 = fp8_quantize_columns(torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16), offsets)
+_, c2 = fp8_quantize_columns(x8, offsets)
+dy8 = fp8_quantize_rows(d8)  # the data gradient, on the weights' transposed copy
+deep_gemm.m_grouped_fp8_gemm_nt_contiguous((dy8.data, dy8.scales), (w8.data_t, w8.scales.transpose(1, 2)), dx8, offsets)
+for dtype in (torch.float32, torch.bfloat16):
+    for accumulate in (False, True):
+        deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
+                                                   torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
+                                                   c1.padded_offsets, accumulate=accumulate)
 torch.cuda.synchronize()
 print("sanitize case done")
