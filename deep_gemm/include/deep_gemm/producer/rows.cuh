@@ -50,6 +50,7 @@ struct GatheredRowsOf {
         int32_t src;
     };
 
+    // (begin spells it out: through this call nvcc schedules the bf16 kernels' setup differently)
     __device__ __forceinline__ static uint32_t row_of(uint32_t t) {
         const uint32_t lane = t % 32;
         return 4 * (t / 32) + lane % 4 + 16 * (lane / 4);
@@ -57,7 +58,7 @@ struct GatheredRowsOf {
 
     template <typename Params>
     __device__ __forceinline__ static Rows begin(const Params& p, uint32_t row_begin, uint32_t num_rows, uint32_t t) {
-        const uint32_t row = row_of(t);
+        const uint32_t lane = t % 32, row = 4 * (t / 32) + lane % 4 + 16 * (lane / 4);
         const int64_t src = row < num_rows ? __ldg(p.a_row_index + row_begin + row) : -1;
         return {src >= 0 and src < p.a_rows ? static_cast<int32_t>(src) : -1};
     }
