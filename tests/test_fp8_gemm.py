@@ -165,7 +165,11 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate):
     recipe = torch.stack([x_a[lo:hi].float().T @ x_b[lo:hi].float() for lo, hi in bounds])
     if accumulate:
         d = torch.randn(len(sizes), m, n, device="cuda").to(out_dtype)
-        exact, recipe = exact + d.float(), recipe + d.float()
+        if out_dtype == torch.bfloat16:  # the product is rounded to bf16, then the sum (a bf16 reduce-add)
+            exact = (exact.to(out_dtype) + d).float()
+        else:
+            exact = exact + d
+        recipe = recipe + d.float()
     else:
         d = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
     deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets,

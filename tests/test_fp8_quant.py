@@ -72,6 +72,15 @@ def test_rows_scale_each_1x128_block_onto_e4m3_range(power_of_two):
     assert _within_e4m3_rounding(reference.dequantize_rows(rows), x, scale)
 
 
+def test_a_block_of_tiny_values_keeps_them():
+    """amax / 448 below the smallest normal fp32 would make the reciprocal inf: the scale stops there."""
+    x = torch.full((1, 128), 1e-37).to(torch.bfloat16)
+    x[0, 0] = 3e-38
+    rows = fp8_quantize_rows(x)
+    assert rows.scales.item() == 2.0**-126
+    assert torch.allclose(reference.dequantize_rows(rows), x.float(), rtol=1 / 16, atol=0)
+
+
 def test_rows_scales_are_padded_to_a_multiple_of_four_rows():
     rows = fp8_quantize_rows(_activations(5, 256))
     assert rows.scales.shape == (5, 2) and rows.scales.stride() == (1, 8)

@@ -83,8 +83,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         b: the same for the rows ``[R, N]``, quantized with the same group offsets.
         d: ``[G, M, N]`` float32 or bf16. Every group is written; an empty group gives zeros (or
             leaves ``d[g]`` unchanged with ``accumulate=True``).
-        padded_offsets: ``[G + 1]`` int32 on the GPU, ``Fp8Columns.padded_offsets`` (multiples of
-            128; read on the GPU, no host sync).
+        padded_offsets: ``[G + 1]`` int32 on the GPU: ``Fp8Columns.padded_offsets``, multiples
+            of 128 (read on the GPU, no host sync). Not the token offsets the copies were made
+            with: an offset that is not a multiple of 128 traps the kernel (the launch fails).
         accumulate: add into the existing `d` instead of overwriting it.
 
     Requires M and N multiples of 128. Each 128-token block is multiplied into fresh fp32

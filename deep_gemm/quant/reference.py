@@ -1,6 +1,7 @@
 """The FP8 layouts, and the PyTorch reference of the quantization kernels: the same values, bit
 for bit, on any device (the kernels' columns past the padded groups are left unwritten; here
-they are zeros)."""
+they are zeros). Inputs must be finite: a NaN propagates into its block's scale here, while the
+kernels' amax skips it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,10 +55,16 @@ def padded_group_width(num_rows: int, num_groups: int) -> int:
     return -(-(num_rows + (BLOCK - 1) * num_groups) // BLOCK) * BLOCK
 
 
+MIN_SCALE = 2.0**-126  # the smallest normal fp32: a subnormal scale's reciprocal would be inf
+
+
 def scale_of(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
-    """The scale mapping `amax` (float32) onto e4m3's largest value, 1 where amax is 0; rounded
-    up to a power of two with `power_of_two`."""
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    """The scale mapping `amax` (float32) onto e4m3's largest value, at least MIN_SCALE, 1 where
+    amax is 0; rounded up to a power of two with `power_of_two`. (The divisor is a tensor: with
+    a Python scalar, CUDA's division multiplies by its reciprocal, one bit off the kernels' IEEE
+    division.)"""
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
+    scale = torch.where(amax > 0, scale, torch.ones_like(amax))
     if power_of_two:
         bits = scale.view(torch.int32)
         scale = ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)  # (0xFF800000 as int32)

@@ -56,6 +56,8 @@ struct Sm90FP8KGroupedGemm {
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
             while (scheduler.next(tile)) {
+                if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
+                    __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
                 produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;

@@ -71,7 +71,9 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         warpgroup_fence_operand(part);
         const auto s = scales(pipe.stage, k_block);
         warpgroup_wait<0>();
+        warpgroup_fence_operand(part);
         s.promote(part, acc);
+        __syncwarp();  // every lane's reads of the stage before lane 0 releases it
         if (releases)
             smem.empty(pipe.stage)->arrive();
         pipe.template advance<kNumStages>();

@@ -20,16 +20,21 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
     return static_cast<uint32_t>(pack_e4m3x2(a, b)) | (static_cast<uint32_t>(pack_e4m3x2(c, d)) << 16);
 }
 
-// The scale that maps `amax` onto e4m3's largest value; 1 for an all-zero block.
+// The smallest normal fp32: a subnormal scale's reciprocal would be inf (0 * inf = NaN).
+constexpr float kMinScale = 1.17549435e-38f;
+
+// The scale that maps `amax` onto e4m3's largest value, at least kMinScale; 1 for an all-zero block.
 struct Fp32Scale {
-    __device__ __forceinline__ static float of(float amax) { return amax > 0.0f ? amax / kE4M3Max : 1.0f; }
+    __device__ __forceinline__ static float of(float amax) {
+        return amax > 0.0f ? fmaxf(amax / kE4M3Max, kMinScale) : 1.0f;
+    }
 };
 
 // Fp32Scale rounded up to a power of two, so that x / scale and fp8 * scale are exact scalings.
 struct Pow2Scale {
     __device__ __forceinline__ static float of(float amax) {
-        const uint32_t bits = __float_as_uint(Fp32Scale::of(amax));
-        return __uint_as_float((bits + 0x7FFFFFu) & 0xFF800000u);  // (a normal, positive float)
+        const uint32_t bits = __float_as_uint(Fp32Scale::of(amax));  // (a normal, positive float)
+        return __uint_as_float((bits + 0x7FFFFFu) & 0xFF800000u);
     }
 };
 
