@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deep_gemm.moe import MegaMoEHandle, RoutingLayout, bf16_mega_moe
+from ._kernels import MegaMoEHandle, RoutingLayout, bf16_mega_moe
 
 from .backward import mega_moe_backward
 

@@ -17,13 +17,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16
-from deep_gemm.gemm import k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous
-from deep_gemm.moe import kernels
-from deep_gemm.moe.forward import MegaMoEHandle, dense_rows
-from deep_gemm.moe.kernels import moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16
-from deep_gemm.moe.layout import RoutingLayout
-from deep_gemm.utils import check_tensor
+from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, k_grouped_bf16,
+                       k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous,
+                       moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16)
+from ._kernels import moe_kernels as kernels
 
 WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deep_gemm.moe.forward import bf16_mega_moe, check_moe_inputs
-from deep_gemm.moe.kernels import moe_combine_bf16
+from .._kernels import bf16_mega_moe, check_moe_inputs, moe_combine_bf16
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
 

@@ -26,9 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from deep_gemm.jit.runtime import stream_write_u32
-from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16
-from deep_gemm.moe.layout import RoutingLayout
+from .._kernels import RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
 
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from deep_gemm.moe.forward import check_moe_inputs
+from .._kernels import check_moe_inputs
 
 from ..autograd import mega_moe
 from .alltoall import combine, dispatch

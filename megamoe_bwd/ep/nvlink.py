@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from deep_gemm.gemm import m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous
-from deep_gemm.moe.forward import MegaMoEHandle, check_expert_ids, check_moe_inputs, gate_up_swiglu
-from deep_gemm.moe.kernels import build_routing_layout, moe_gather_rows_bf16
-from deep_gemm.moe.layout import RoutingLayout
+from .._kernels import (MegaMoEHandle, RoutingLayout, build_routing_layout, check_expert_ids, check_moe_inputs,
+                        gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
+                        moe_gather_rows_bf16)
 
 from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
 from .exchange import (announce_call, check_calls, exchange_token_counts, gather_partials, gemm_other_ranks_first,

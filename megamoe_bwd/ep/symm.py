@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from deep_gemm.moe import kernels
+from .._kernels import moe_kernels as kernels
 
 # A barrier that waits longer than this fails the launch (and with it the CUDA context) instead
 # of hanging when a rank died. Generous: a rank may be compiling kernels or saving a checkpoint.
