@@ -22,7 +22,8 @@ from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
 from emulated_kernels import PAIRS, patch_kernels  # noqa: E402
-from megamoe_bwd import MegaMoE, grouped_mm_moe, mega_moe, mega_moe_backward  # noqa: E402
+from megamoe_bwd import MegaMoE, mega_moe, mega_moe_backward  # noqa: E402
+from megamoe_bwd.accuracy import accuracy  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -251,32 +252,8 @@ GPU_CASES = [  # (label, T, H, I, E, K, routing, empty_slot_frac): the standard 
 ]
 
 
-def _one_draw(T, H, I, E, K, routing, empty):
-    """(ours, baseline, float64 reference) outputs y, dx, dtopk_weights, dl1, dl2 on fresh inputs."""
-    p = make_moe_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", routing=routing, empty_slot_frac=empty)
-    x, idx, w, l1, l2, dy = p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], p["dy"]
-    y, handle = deep_gemm.bf16_mega_moe(x, idx, w, l1, l2, training=True)
-    ours = (y, *mega_moe_backward(dy, l1, l2, handle))
-
-    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in (x, idx, w, l1, l2)]
-    y_base = grouped_mm_moe(*leaves)
-    y_base.backward(dy)
-    base = (y_base, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad)
-
-    f64 = [t.detach().double() if t.is_floating_point() else t for t in (x, idx, w, l1, l2, dy)]
-    ref = (reference_forward(*f64[:5]), *reference_backward(*f64))
-    return ours, base, ref
-
-
 def _accuracy(T, H, I, E, K, routing, empty):
-    """Relative errors of ours and of the baseline, per output, against float64. A tiny problem
-    has few outputs (T = 1: four routing-weight gradients), whose error ratio is noise; small
-    problems pool the outputs of several fresh draws (up to 16) into one error."""
-    draws = [_one_draw(T, H, I, E, K, routing, empty) for _ in range(min(16, max(1, 64 // max(T, 1))))]
-    names = ("y", "dx", "dtopk_weights", "dl1", "dl2")
-    pooled = lambda which, i: torch.cat([d[which][i].detach().flatten().double() for d in draws])  # noqa: E731
-    return {name: (relative_error(pooled(0, i), pooled(2, i)), relative_error(pooled(1, i), pooled(2, i)))
-            for i, name in enumerate(names)}
+    return accuracy(deep_gemm.bf16_mega_moe, mega_moe_backward, T, H, I, E, K, routing, empty)
 
 
 @requires_sm90

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The patch workflow end to end on the GPU machine (README, "Patch an upstream checkout"), on an
+# upstream DeepGEMM checkout at the pinned commit with its submodules' include trees, carried in
+# (UPSTREAM, default .ext/deepgemm; never committed):
+#   bash scripts/device_upstream.sh
+# 1. the image's default compilers: what each links, and the apply script's verdict;
+# 2. apply_patches.sh with the system gcc (upstream's develop.sh builds in place);
+# 3. from the patched checkout: upstream's Hopper tests, then tests/test_mega_moe_bwd.py.
+# Logs under $OUT (or ./device_out).
+set -uo pipefail
+OUT=${OUT:-./device_out}; mkdir -p "$OUT"
+repo=$PWD
+src=${UPSTREAM:-.ext/deepgemm}
+dg=/tmp/deepgemm_patched
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$repo/.jit_cache}
+command -v python >/dev/null || { mkdir -p /tmp/pybin && ln -sf "$(command -v python3)" /tmp/pybin/python && export PATH=/tmp/pybin:$PATH; }
+
+rm -rf "$dg" && cp -r "$src" "$dg"
+echo "CC=${CC:-} CXX=${CXX:-}; python loads $(python3 -c "import torch; print(next(l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l))")"
+for c in "${CC:-gcc}" "${CXX:-g++}" /usr/bin/g++; do echo "  $c links $(readlink -f "$($c -print-file-name=libstdc++.so.6)")"; done
+echo "[default compilers] $(bash scripts/apply_patches.sh "$dg" --no-build 2>&1 | tail -2 | tr '\n' ' ')"
+
+CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" timeout 600 bash scripts/apply_patches.sh "$dg" \
+  > "$OUT/upstream_build.log" 2>&1
+echo "[system gcc] apply + develop.sh: rc $? ($(tail -1 "$OUT/upstream_build.log"))"
+
+cd "$dg" || exit 1
+export PYTHONPATH=$dg
+python -c "import deep_gemm, megamoe_bwd; print('patched install:', deep_gemm.__file__, deep_gemm.__version__,
+deep_gemm.mega_moe_backward.__module__, megamoe_bwd._kernels.PACKAGE.__name__)" 2>&1 | tail -2
+for t in tests/test_bf16.py tests/test_fp8_fp4.py; do
+  timeout -k 10 300 python "$t" > "$OUT/upstream_$(basename "$t" .py).log" 2>&1
+  echo "[upstream $t] rc $? ($(tail -1 "$OUT/upstream_$(basename "$t" .py).log"))"
+done
+timeout -k 10 300 python "$repo/tests/test_mega_moe_bwd.py" > "$OUT/test_mega_moe_bwd.log" 2>&1
+echo "[ours, from the patched checkout] rc $? ($(tail -1 "$OUT/test_mega_moe_bwd.log"))"
