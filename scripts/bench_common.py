@@ -1,7 +1,9 @@
 """What the benchmark and check scripts share: the standard MoE shapes and the GPU check."""
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,3 +25,16 @@ def require_sm90(script: str, num_gpus: int = 1) -> None:
             major, minor = torch.cuda.get_device_capability(i)
             sys.exit(f"{script} needs NVIDIA Hopper GPUs (sm_90); GPU {i} is {torch.cuda.get_device_name(i)} "
                      f"(sm_{major}{minor})")
+
+
+def load_upstream_deep_gemm(directory: str):
+    """Upstream DeepGEMM's package from `directory` (a checkout built in place by its develop.sh,
+    e.g. one patched by scripts/apply_patches.sh), imported as `upstream_deep_gemm` so that it
+    lives beside ours in one process (its modules import each other relatively)."""
+    root = Path(directory) / "deep_gemm"
+    spec = importlib.util.spec_from_file_location("upstream_deep_gemm", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -23,9 +23,12 @@ and fast accumulation, all three in one run. torch's weight-gradient form refuse
 and groups that are not multiples of 16, so it gets every group padded with zero rows to a
 multiple of 16 (at least 16); its TFLOPS count our unpadded FLOPs. Errors: against the fp32
 product of the original bf16 operands (weight gradients: over the first four groups).
+`--upstream DIR` (a DeepGEMM checkout built in place) adds upstream's FP8 m-grouped GEMM to the
+forward and data-gradient rows, on groups padded to its alignment with its own casts (per token
+1 x 128, per block 128 x 128): what its users must do; its TFLOPS count our unpadded FLOPs too.
 
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
-                                 [--precision bf16,fp8]
+                                 [--precision bf16,fp8] [--upstream DEEPGEMM_DIR]
 
 It uses the public GEMM functions only, so it also times another checkout of the library on
 the same terms (an A/B: put this script in that checkout's scripts/). Needs a Hopper GPU.
@@ -42,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from bench_common import MODELS, require_sm90  # noqa: E402
+from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
@@ -178,9 +181,30 @@ def _torch_fp8_wgrad(a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
                                              use_fast_accum=True)), sum(padded)
 
 
-def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int]) -> dict:
-    """ms of ours (FP8), our bf16 GEMM and torch's FP8 rowwise GEMM, FLOPs, and the two FP8 errors
-    against the fp32 product of the bf16 operands."""
+def _upstream_m_grouped(upstream, x: torch.Tensor, b_nk: torch.Tensor, sizes: list[int]):
+    """Upstream DeepGEMM's FP8 ``D = A @ B[g].T`` on our problem, set up as its users must: every
+    group padded with zero rows to its alignment (``m_indices`` -1 there), its own casts."""
+    upstream.set_mk_alignment_for_contiguous_layout(upstream.get_theoretical_mk_alignment_for_contiguous_layout())
+    align = upstream.get_mk_alignment_for_contiguous_layout()
+    padded = [-(-s // align) * align for s in sizes]
+    a = x.new_zeros(sum(padded), x.shape[1])
+    m_indices = torch.full((sum(padded),), -1, dtype=torch.int32, device=x.device)
+    src = dst = 0
+    for g, (s, p) in enumerate(zip(sizes, padded)):
+        a[dst:dst + s], m_indices[dst:dst + s] = x[src:src + s], g
+        src, dst = src + s, dst + p
+    a_fp8 = upstream.per_token_cast_to_fp8(a, use_ue8m0=False)
+    blocks = [upstream.per_block_cast_to_fp8(b_nk[g], use_ue8m0=False) for g in range(b_nk.shape[0])]
+    b_fp8 = (torch.stack([q for q, _ in blocks]), torch.stack([sf for _, sf in blocks]))
+    d = torch.empty(sum(padded), b_nk.shape[1], device=x.device, dtype=torch.bfloat16)
+    return lambda: upstream.m_grouped_fp8_fp4_gemm_nt_contiguous(a_fp8, b_fp8, d, m_indices, disable_ue8m0_cast=True)
+
+
+def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) -> dict:
+    """ms of ours (FP8), our bf16 GEMM, torch's FP8 rowwise GEMM and (m-grouped, with `upstream`)
+    upstream DeepGEMM's, FLOPs, and the two FP8 errors against the fp32 product of the bf16
+    operands."""
+    upstream_fn = None
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
     if label.startswith("wgrad"):
@@ -221,6 +245,8 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int]) -> dict:
                                    for g, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist()))])
         theirs_out, out = theirs, (lambda: d)
         flops = 2 * rows * n * k
+        if upstream is not None:
+            upstream_fn = _upstream_m_grouped(upstream, x, b_nk, sizes)
     ours()
     ref = exact()
     err = _sliced_error(out(), ref)
@@ -232,7 +258,14 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int]) -> dict:
     del ref
     ours_ms, torch_ms = interleaved_ms(ours, theirs)
     bf16_ms, _ = interleaved_ms(bf16, None)
-    return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, flops=flops, err=err, torch_err=torch_err)
+    upstream_ms = float("nan")
+    if upstream_fn is not None:
+        try:
+            upstream_ms = interleaved_ms(upstream_fn, None)[0]
+        except Exception as e:  # report, keep going
+            print(f"upstream DeepGEMM failed for {label}: {e}", flush=True)
+    return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, upstream=upstream_ms, flops=flops, err=err,
+                torch_err=torch_err)
 
 
 def interleaved_ms(fn, baseline, rounds: int = 3):
@@ -277,6 +310,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="comma-separated GEMM labels to run (e.g. wgrad1), for profilers")
     parser.add_argument("--precision", default="bf16", help="bf16 (ours vs torch._grouped_mm), fp8 (see above), or both")
+    parser.add_argument("--upstream", default=None, help="an upstream DeepGEMM checkout built in place (fp8 rows)")
     args = parser.parse_args()
     require_sm90("bench_gemm.py")
     torch.manual_seed(args.seed)
@@ -304,18 +338,22 @@ def main() -> None:
             lines.append(line)
             print(line, flush=True)
     if "fp8" in args.precision.split(","):
+        upstream = load_upstream_deep_gemm(args.upstream) if args.upstream else None
         header = (f"{'model':<5} {'route':<7} {'fp8 gemm':<12} {'shape':<18} {'ours ms':>8} {'TFLOPS':>7} {'vs bf16':>7} "
-                  f"{'torch fp8':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8} {'torch err':>9}")
+                  f"{'torch fp8':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8} {'torch err':>9}"
+                  + (f" {'DeepGEMM':>8} {'TFLOPS':>7} {'ratio':>6}" if upstream else ""))
         lines.append(header)
         print(header, flush=True)
         for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
             if label not in FP8_CASES or (args.only and label not in args.only.split(",")):
                 continue
-            r = run_fp8_case(label, d1, d2, sizes)
+            r = run_fp8_case(label, d1, d2, sizes, upstream)
             shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
             line = (f"{model:<5} {routing:<7} {label:<12} {shape:<18} {r['ours']:>8.3f} {r['flops'] / r['ours'] / 1e9:>7.0f} "
                     f"{r['bf16'] / r['ours']:>6.2f}x {r['torch']:>9.3f} {r['flops'] / r['torch'] / 1e9:>7.0f} "
-                    f"{r['torch'] / r['ours']:>6.2f} {r['err']:>8.1e} {r['torch_err']:>9.1e}")
+                    f"{r['torch'] / r['ours']:>6.2f} {r['err']:>8.1e} {r['torch_err']:>9.1e}"
+                    + (f" {r['upstream']:>8.3f} {r['flops'] / r['upstream'] / 1e9:>7.0f} {r['upstream'] / r['ours']:>6.2f}"
+                       if upstream else ""))
             lines.append(line)
             print(line, flush=True)
     if args.launch_overhead:

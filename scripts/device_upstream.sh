@@ -5,7 +5,8 @@
 #   bash scripts/device_upstream.sh
 # 1. the image's default compilers: what each links, and the apply script's verdict;
 # 2. apply_patches.sh with the system gcc (upstream's develop.sh builds in place);
-# 3. from the patched checkout: upstream's Hopper tests, then tests/test_mega_moe_bwd.py.
+# 3. from the patched checkout: upstream's Hopper tests, then tests/test_mega_moe_bwd.py;
+# 4. bench_gemm.py --precision fp8 with upstream's FP8 m-grouped GEMM beside ours.
 # Logs under $OUT (or ./device_out).
 set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
@@ -35,3 +36,7 @@ for t in tests/test_bf16.py tests/test_fp8_fp4.py; do
 done
 timeout -k 10 300 python "$repo/tests/test_mega_moe_bwd.py" > "$OUT/test_mega_moe_bwd.log" 2>&1
 echo "[ours, from the patched checkout] rc $? ($(tail -1 "$OUT/test_mega_moe_bwd.log"))"
+
+# 4. upstream's FP8 m-grouped GEMM beside ours and torch's, in one process.
+cd "$repo" && PYTHONPATH= timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_gemm.py --precision fp8 \
+  --routing uniform --only fwd1,fwd2,dgrad1,dgrad2 --upstream "$dg" 2>&1 | tee "$OUT/bench_vs_deepgemm.log" | tail -16
