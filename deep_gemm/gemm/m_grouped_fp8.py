@@ -28,8 +28,11 @@ PARAMS = ParamsStruct("deep_gemm::MGroupedFp8GemmParams", [
 FP8_TMA_ROWS, FP8_GATHERED_ROWS = "Fp8TmaRows", "Fp8GatheredRows"  # producer/rows.cuh
 
 
-# 128 x 128 tiles (one B scale block a tile and k-block), with A's 128 row scales in each stage.
-CONFIG = make_config(128, tensor_store_staging_bytes(128), scale_bytes_per_stage=BLOCK_M * 4)
+# 128 x 128 tiles (one B scale block a tile and k-block), with A's row scales in each stage: 132
+# of them (the TMA box starts at the tile's first row rounded down to 4), 640 bytes
+# (producer::kFp8ScaleStageBytes).
+SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
+CONFIG = make_config(128, tensor_store_staging_bytes(128), scale_bytes_per_stage=SCALE_STAGE_BYTES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +117,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         tensor_map_a=make_tma_2d_desc(a_data, a_data.shape[0], p.k, 128, BLOCK_M),  # (gathered rows: unused)
         tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, CONFIG.block_n),
         tensor_map_d=make_tma_3d_desc(d.unsqueeze(0), 64, 64),
-        tensor_map_scales_a=make_tma_scales_desc(a_scales),
+        tensor_map_scales_a=make_tma_scales_desc(a_scales, SCALE_BOX_ROWS),
         d=d.data_ptr(), group_offsets=group_offsets.data_ptr(),
         a_row_index=0 if a_row_index is None else a_row_index.data_ptr(), a=a_data.data_ptr(),
         a_scales=a_scales.data_ptr(), b_scales=b_scales.data_ptr(),

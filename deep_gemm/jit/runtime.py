@@ -129,8 +129,13 @@ class Kernel:
         count = self._max_resident.get(device)
         if count is None:
             with OnDevice(device):
-                config = self._config(device, self.cluster_size)
-                count = self.cluster_size * check(cu.cuOccupancyMaxActiveClusters(self._function(device), config))
+                if self.cluster_size == 1:  # (the cluster query answers 1 for launches without clusters)
+                    per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        self._function(device), self.num_threads, self.smem_bytes))
+                    count = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+                else:
+                    config = self._config(device, self.cluster_size)
+                    count = self.cluster_size * check(cu.cuOccupancyMaxActiveClusters(self._function(device), config))
             self._max_resident[device] = count
         return count
 

@@ -20,7 +20,7 @@ struct alignas(128) MGroupedFp8GemmParams {
     CUtensorMap tensor_map_a;         // A [a_rows, K] e4m3; box {128 (K), 128 rows}
     CUtensorMap tensor_map_b;         // B as [G * N, K] e4m3; box {128, BLOCK_N}
     CUtensorMap tensor_map_d;         // D as [1, M, N] bf16; box {64 (N), 64 rows, 1}
-    CUtensorMap tensor_map_scales_a;  // A's scales as [K / 128][a_rows] fp32 (row stride a_scales_ld); box {128, 1}
+    CUtensorMap tensor_map_scales_a;  // A's scales as [K / 128][a_rows] fp32 (row stride a_scales_ld); box {132, 1}
     __nv_bfloat16* d;                 // [M, N]
     const int* group_offsets;         // [G * num_passes + 1]
     const int64_t* a_row_index;       // [M] (producer::Fp8GatheredRows)
@@ -36,7 +36,8 @@ template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epi
 struct Sm90FP8MGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
     static_assert(BLOCK_N == 128, "one B scale block per tile and k-block");
-    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, BLOCK_M * sizeof(float)>;
+    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes,
+                              producer::kFp8ScaleStageBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
     static_assert(Epilogue::kStagingBytes % 1024 == 0, "each warpgroup's staging starts 1024-byte aligned");
@@ -95,7 +96,7 @@ struct Sm90FP8MGroupedGemm {
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t k_block) {
                         const float b = __ldg(b_scales + k_block * p.b_scales_stride_k);
-                        const float* a = smem.scales(stage) + scale_row;
+                        const float* a = smem.scales(stage) + Producer::scale_offset(tile.row_begin) + scale_row;
                         return RowScales{{a[0] * b, a[8] * b}};
                     },
                     [](uint32_t) {

@@ -84,23 +84,33 @@ using GatheredRows = GatheredRowsOf<__nv_bfloat16>;
 // FP8 A (the FP8 GEMMs): the rows as the base policy loads them, plus the 128 row scales of the
 // stage's k-block (scale block k / 128) into `smem_scales`. Params add tensor_map_scales_a (the
 // scales [K / 128][a_rows], row stride a_scales_ld), a_scales and a_scales_ld.
-//   kScaleTxBytes   what the scales add to thread 0's TMA bytes.
+//   kScaleTxBytes        what the scales add to thread 0's TMA bytes;
+//   scale_offset(row)    where the scale of a tile's first row (row `row` of A) sits in the stage.
+constexpr uint32_t kFp8ScaleStageBytes = 640;  // room for 132 scales (Fp8TmaRows), 128-byte multiple
 
-// Rows back to back: the scales by TMA too (rows past the tensor read as zeros).
+// Rows back to back: the scales by TMA too (rows past the tensor read as zeros). A TMA box whose
+// innermost coordinate is not 16-byte aligned faults (illegal instruction), and a ragged group's
+// tile starts anywhere: the box starts at the row rounded down to 4 and holds 132 scales.
 struct Fp8TmaRows : TmaRows {
-    static constexpr uint32_t kScaleTxBytes = 128 * sizeof(float);
+    static constexpr uint32_t kScaleBoxRows = 128 + 4;
+    static constexpr uint32_t kScaleTxBytes = kScaleBoxRows * sizeof(float);
+    static_assert(kScaleTxBytes <= kFp8ScaleStageBytes);
+
+    __device__ __forceinline__ static uint32_t scale_offset(uint32_t row) { return row % 4; }
 
     template <typename Params>
     __device__ __forceinline__ static void load(uint8_t* smem_a, float* smem_scales, const Params& p, const Rows& rows,
                                                 uint32_t k, ptx::MBarrier* bar, uint32_t t) {
         TmaRows::load(smem_a, p, rows, k, bar, t);
-        ptx::tma_load_2d(smem_scales, &p.tensor_map_scales_a, bar, rows.begin, k / 128);
+        ptx::tma_load_2d(smem_scales, &p.tensor_map_scales_a, bar, rows.begin - scale_offset(rows.begin), k / 128);
     }
 };
 
 // Gathered rows: each producer thread also copies the scale of the row whose source it holds.
 struct Fp8GatheredRows : GatheredRowsOf<uint8_t> {
     static constexpr uint32_t kScaleTxBytes = 0;
+
+    __device__ __forceinline__ static uint32_t scale_offset(uint32_t) { return 0; }
 
     template <typename Params>
     __device__ __forceinline__ static void load(uint8_t* smem_a, float* smem_scales, const Params& p, const Rows& rows,
