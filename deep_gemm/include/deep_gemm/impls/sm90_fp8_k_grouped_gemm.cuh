@@ -80,7 +80,7 @@ struct Sm90FP8KGroupedGemm {
                 if (Epilogue::kAccumulates and num_k_blocks == 0)
                     continue;  // an empty group adds nothing
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages>(
+                consume_k_blocks_fp8<BLOCK_N, kNumStages, 1>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t) {
                         const float* rows = smem.scales(stage) + scale_row;

@@ -92,7 +92,7 @@ struct Sm90FP8MGroupedGemm {
                 const float* b_scales = p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
                                         (tile.n_begin / 128) * p.b_scales_stride_n;
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages>(
+                consume_k_blocks_fp8<BLOCK_N, kNumStages, 2>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t k_block) {
                         const float b = __ldg(b_scales + k_block * p.b_scales_stride_k);

@@ -4,6 +4,7 @@
 // sum times the block's scales. Hopper's FP8 MMAs add their products with reduced precision;
 // promoting every 128 of K keeps the sum fp32. The producer side is pipeline.cuh's.
 #include <cstdint>
+#include <type_traits>
 #include "pipeline.cuh"
 #include "wgmma_fp8.cuh"
 
@@ -29,8 +30,8 @@ struct RowScales {
 };
 
 // One scale per row and one per column (the weight gradient: both operands per 128 x 1). The
-// column scales are read from the stage while promoting (registers are short: accumulators and
-// fresh products take 128 of a thread's 168 at BLOCK_N = 128).
+// column scales are read from the stage while promoting (registers are short: the weight gradient
+// runs the mainloop with one set of fresh products, docs/PERF.md "Blockwise FP8").
 template <uint32_t BLOCK_N>
 struct RowColumnScales {
     float row[2];
@@ -51,32 +52,69 @@ struct RowColumnScales {
 // One math warpgroup's FP8 mainloop. `scales(stage, k_block)` returns the k-block's scales
 // (RowScales, RowColumnScales); it runs while the block's MMAs are in flight. Both it and the
 // promotion may read the stage (scales in shared memory): each warp releases the stage after them.
-// `before_mma(stage)` runs after the stage has landed and before any MMA reads it.
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename Smem, typename Scales, typename BeforeMMA>
+// `before_mma(stage)` runs after the stage has landed and before any MMA reads it. With
+// kNumProductSets = 2, two sets of fresh products alternate: block k + 1's MMAs are issued before
+// block k is promoted, so the tensor cores have work queued while this warpgroup waits and
+// promotes. With 1, each block is issued, awaited and promoted in turn (64 registers fewer).
+template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem, typename Scales,
+          typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma) {
-    float part[BLOCK_N / 2];
+    float part0[BLOCK_N / 2], part1[BLOCK_N / 2];
     const bool releases = ptx::lane_idx() == 0;
-    for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
-        smem.full(pipe.stage)->wait(pipe.phase);
-        before_mma(pipe.stage);
+    PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
+    const auto issue = [&](float (&part)[BLOCK_N / 2]) {
+        smem.full(next.stage)->wait(next.phase);
+        before_mma(next.stage);
         warpgroup_fence_operand(part);
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)
-            WGMMAFp8<BLOCK_N>::mma(make_operand_desc<Major::kKMajor>(smem.a(pipe.stage) + a_offset, k),
-                                   make_operand_desc<Major::kKMajor>(smem.b(pipe.stage), k), part, k > 0);
+            WGMMAFp8<BLOCK_N>::mma(make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, k),
+                                   make_operand_desc<Major::kKMajor>(smem.b(next.stage), k), part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
+        next.template advance<kNumStages>();
+    };
+    // Block k_block's products (issued) into acc, once at most `newer` (0 or 1) newer MMA batches
+    // are left in flight.
+    const auto promote = [&](auto newer, float (&part)[BLOCK_N / 2], uint32_t k_block) {
         const auto s = scales(pipe.stage, k_block);
-        warpgroup_wait<0>();
+        warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
         s.promote(part, acc);
         __syncwarp();  // every lane's reads of the stage before lane 0 releases it
         if (releases)
             smem.empty(pipe.stage)->arrive();
         pipe.template advance<kNumStages>();
+    };
+    constexpr std::integral_constant<int, 1> kOneNewer;
+    constexpr std::integral_constant<int, 0> kNoneNewer;
+    static_assert(kNumProductSets == 1 or kNumProductSets == 2);
+    if constexpr (kNumProductSets == 1) {
+        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block)
+            issue(part0), promote(kNoneNewer, part0, k_block);
+        return;
+    }
+    if (num_k_blocks == 0)
+        return;
+    // Which products are in flight must not depend on the path taken (ptxas serializes the MMAs
+    // otherwise): the loop starts and ends each pair with block k_block's in part0, the tail drains.
+    issue(part0);
+    uint32_t k_block = 0;
+    for (; k_block + 2 < num_k_blocks; k_block += 2) {
+        issue(part1);
+        promote(kOneNewer, part0, k_block);
+        issue(part0);
+        promote(kOneNewer, part1, k_block + 1);
+    }
+    if (k_block + 1 < num_k_blocks) {
+        issue(part1);
+        promote(kOneNewer, part0, k_block);
+        promote(kNoneNewer, part1, k_block + 1);
+    } else {
+        promote(kNoneNewer, part0, k_block);
     }
 }
 
