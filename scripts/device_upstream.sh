@@ -5,8 +5,9 @@
 #   bash scripts/device_upstream.sh
 # 1. the image's default compilers: what each links, and the apply script's verdict;
 # 2. apply_patches.sh with the system gcc (upstream's develop.sh builds in place);
-# 3. from the patched checkout: upstream's Hopper tests, then tests/test_mega_moe_bwd.py;
-# 4. bench_gemm.py --precision fp8 with upstream's FP8 m-grouped GEMM beside ours.
+# 3. from the patched checkout: tests/test_mega_moe_bwd.py;
+# 4. bench_gemm.py --precision fp8 with upstream's FP8 m-grouped GEMM beside ours;
+# 5. upstream's own Hopper tests (UPSTREAM_TEST_LIMIT seconds each, default 300).
 # Logs under $OUT (or ./device_out).
 set -uo pipefail
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ echo "CC=${CC:-} CXX=${CXX:-}; python loads $(python3 -c "import torch; print(ne
 for c in "${CC:-gcc}" "${CXX:-g++}" /usr/bin/g++; do echo "  $c links $(readlink -f "$($c -print-file-name=libstdc++.so.6)")"; done
 echo "[default compilers] $(bash scripts/apply_patches.sh "$dg" --no-build 2>&1 | tail -2 | tr '\n' ' ')"
 
-CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" timeout 600 bash scripts/apply_patches.sh "$dg" \
+CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" timeout "${BUILD_LIMIT:-600}" bash scripts/apply_patches.sh "$dg" \
   > "$OUT/upstream_build.log" 2>&1
 echo "[system gcc] apply + develop.sh: rc $? ($(tail -1 "$OUT/upstream_build.log"))"
 
@@ -30,13 +31,14 @@ cd "$dg" || exit 1
 export PYTHONPATH=$dg
 python -c "import deep_gemm, megamoe_bwd; print('patched install:', deep_gemm.__file__, deep_gemm.__version__,
 deep_gemm.mega_moe_backward.__module__, megamoe_bwd._kernels.PACKAGE.__name__)" 2>&1 | tail -2
-for t in tests/test_bf16.py tests/test_fp8_fp4.py; do
-  timeout -k 10 300 python "$t" > "$OUT/upstream_$(basename "$t" .py).log" 2>&1
-  echo "[upstream $t] rc $? ($(tail -1 "$OUT/upstream_$(basename "$t" .py).log"))"
-done
 timeout -k 10 300 python "$repo/tests/test_mega_moe_bwd.py" > "$OUT/test_mega_moe_bwd.log" 2>&1
 echo "[ours, from the patched checkout] rc $? ($(tail -1 "$OUT/test_mega_moe_bwd.log"))"
 
 # 4. upstream's FP8 m-grouped GEMM beside ours and torch's, in one process.
-cd "$repo" && PYTHONPATH= timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_gemm.py --precision fp8 \
-  --routing uniform --only fwd1,fwd2,dgrad1,dgrad2 --upstream "$dg" 2>&1 | tee "$OUT/bench_vs_deepgemm.log" | tail -16
+(cd "$repo" && PYTHONPATH= timeout -k 10 -s ABRT 400 python3 -X faulthandler scripts/bench_gemm.py --precision fp8 \
+  --routing uniform --only fwd1,fwd2,dgrad1,dgrad2 --upstream "$dg" 2>&1 | tee "$OUT/bench_vs_deepgemm.log" | tail -16)
+# 5. upstream's own Hopper tests on the patched checkout (last: they are long; UPSTREAM_TEST_LIMIT each).
+for t in tests/test_bf16.py tests/test_fp8_fp4.py; do
+  timeout -k 10 "${UPSTREAM_TEST_LIMIT:-300}" python "$t" > "$OUT/upstream_$(basename "$t" .py).log" 2>&1
+  echo "[upstream $t] rc $? ($(tail -1 "$OUT/upstream_$(basename "$t" .py).log"))"
+done
