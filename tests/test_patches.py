@@ -120,3 +120,26 @@ def test_a_patched_install_keeps_upstreams_names_and_adds_the_backward(tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:4] == ["upstream", "True True", "megamoe_bwd._vendored megamoe_bwd._vendored.moe.forward",
                                           "[]"], out.stdout
+
+
+def _static_libstdcxx() -> str | None:
+    """The system g++'s libstdc++.a, if it has one."""
+    if shutil.which("g++") is None:
+        return None
+    path = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+@pytest.mark.skipif(_static_libstdcxx() is None, reason="needs g++ with a static libstdc++.a")
+def test_the_apply_script_refuses_a_compiler_that_links_libstdcxx_statically(tmp_path):
+    """Like the GPU image's /opt/gcc wrapper: a -B directory holding only libstdc++.a, so an
+    extension would carry its own libstdc++ beside the one torch loads."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libstdc++.a").symlink_to(_static_libstdcxx())
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f'#!/bin/sh\nexec g++ -B{tmp_path / "lib"}/ "$@"\n')
+    wrapper.chmod(0o755)
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), "--check-compilers"],
+                         env=dict(os.environ, CXX=str(wrapper)), capture_output=True, text=True)
+    assert run.returncode != 0 and "links libstdc++ statically" in run.stderr, run.stderr
+    assert "CXX=" in run.stderr  # it says what to set
