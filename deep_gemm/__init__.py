@@ -11,7 +11,7 @@ from .gemm import (
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
 )
-from .moe import bf16_mega_moe
+from .moe import bf16_mega_moe, fp8_mega_moe
 from .utils import get_num_sms, set_num_sms
 
 # The backward, the autograd layer and expert parallelism live in the sibling package
@@ -34,6 +34,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "bf16_mega_moe",
+    "fp8_mega_moe",
     "get_symm_buffer_for_mega_moe",
     "mega_moe_backward",
     "mega_moe",

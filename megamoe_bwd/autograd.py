@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import MegaMoEHandle, RoutingLayout, bf16_mega_moe
+from ._kernels import MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe
 
 from .backward import mega_moe_backward
 
@@ -13,14 +13,14 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("megamoe::forward", mutates_args=(), device_types="cuda")
 def _forward_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    y, handle = bf16_mega_moe(x, topk_idx, topk_weights, l1, l2, training=True)
+                l2: torch.Tensor, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    y, handle = (fp8_mega_moe if fp8 else bf16_mega_moe)(x, topk_idx, topk_weights, l1, l2, training=True)
     layout = handle.layout
     return (y, handle.h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row, layout.slot_valid)
 
 
 @_forward_op.register_fake
-def _(x, topk_idx, topk_weights, l1, l2):
+def _(x, topk_idx, topk_weights, l1, l2, fp8):
     (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, l1.shape
     num_slots = num_tokens * topk_idx.shape[1]
     return (x.new_empty(num_tokens, hidden), x.new_empty(num_slots, two_inter),
@@ -32,22 +32,23 @@ def _(x, topk_idx, topk_weights, l1, l2):
 @torch.library.custom_op("megamoe::backward", mutates_args=("h",), device_types="cuda")
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
                  offsets: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, slot_row: torch.Tensor,
-                 slot_valid: torch.Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), x, h)
+                 slot_valid: torch.Tensor, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), x, h,
+                           recipe="fp8" if fp8 else "bf16")
     # Gradients take the parameters' dtype (autograd would cast them to it anyway).
     return mega_moe_backward(dy.contiguous(), l1, l2, handle, weight_grad_dtype=l1.dtype)
 
 
 @_backward_op.register_fake
-def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid):
+def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, fp8):
     return (torch.empty_like(x), slot_row.new_empty(slot_row.shape, dtype=torch.float32), torch.empty_like(l1),
             torch.empty_like(l2))
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, l1, l2 = inputs
+    x, _, topk_weights, l1, l2, fp8 = inputs
     ctx.save_for_backward(x, l1, l2, *output[1:])
-    ctx.topk_weights_dtype = topk_weights.dtype
+    ctx.topk_weights_dtype, ctx.fp8 = topk_weights.dtype, fp8
     # Only y reaches users; zero gradients for the saved outputs (h alone is 2I bf16 per
     # routed slot) would be filled for nothing.
     ctx.set_materialize_grads(False)
@@ -55,21 +56,25 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, *unused_grads):
     if dy is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     x, l1, l2, *saved = ctx.saved_tensors
-    dx, dtopk_weights, dl1, dl2 = torch.ops.megamoe.backward(dy, x, l1, l2, *saved)
-    return dx, None, dtopk_weights.to(ctx.topk_weights_dtype), dl1, dl2
+    dx, dtopk_weights, dl1, dl2 = torch.ops.megamoe.backward(dy, x, l1, l2, *saved, ctx.fp8)
+    return dx, None, dtopk_weights.to(ctx.topk_weights_dtype), dl1, dl2, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-             l2: torch.Tensor) -> torch.Tensor:
+             l2: torch.Tensor, *, fp8: bool = False) -> torch.Tensor:
     """Differentiable Mixture-of-Experts layer on one GPU (see `deep_gemm.bf16_mega_moe` for the contract).
 
     Gradients flow to `x`, `topk_weights`, `l1` and `l2` (in their dtypes). Shapes:
     x ``[T, H]`` bf16, topk_idx ``[T, K]`` int64 (``-1`` = empty), topk_weights ``[T, K]``,
-    l1 ``[E, 2I, H]`` bf16, l2 ``[E, H, I]`` bf16; returns y ``[T, H]`` bf16.
+    l1 ``[E, 2I, H]`` bf16, l2 ``[E, H, I]`` bf16; returns y ``[T, H]`` bf16. `fp8` runs the
+    expert GEMMs of the forward and the backward in blockwise FP8 (`deep_gemm.fp8_mega_moe`;
+    H and I multiples of 128); parameters, inputs and gradients keep their dtypes.
     """
-    return torch.ops.megamoe.forward(x, topk_idx, topk_weights, l1, l2)[0]
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    return torch.ops.megamoe.forward(x, topk_idx, topk_weights, l1, l2, fp8)[0]

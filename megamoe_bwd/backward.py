@@ -1,4 +1,4 @@
-"""Mega MoE backward on one GPU, bf16.
+"""Mega MoE backward on one GPU, bf16 and blockwise FP8.
 
 dA = dy[rows] @ l2[e] (m-grouped nn) -> one pass for the SwiGLU backward, the weighted
 activation w * a and the routing-weight gradient <dA, a> -> dl2 = dy[rows]^T @ (w * a)
@@ -8,6 +8,12 @@ are copied to routed order first: they feed two GEMMs each (docs/PERF.md, "Decis
 
 The steps are building blocks of the expert-parallel backward too (megamoe_bwd.ep), which
 runs dA's GEMM and dx's GEMM in passes around the token exchange.
+
+In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy's routed rows are
+quantized once, as rows (dA's GEMM) and per-expert columns (dl2's); dA, dx's rows and both
+weight gradients run in FP8, the SwiGLU backward and the combine in bf16 as above; dz is
+quantized once, as rows (dx's GEMM) and columns (dl1's). The weights' FP8 copies are the
+forward's (`fp8_weights`: the data gradients read their transposed halves).
 """
 from __future__ import annotations
 
@@ -17,9 +23,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, k_grouped_bf16,
-                       k_grouped_bf16_gemm_tn_contiguous, m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous,
-                       moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16)
+from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns, fp8_weights,
+                       k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
+                       m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8, m_grouped_fp8_gemm_nt_contiguous,
+                       moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16, quant_kernels)
 from ._kernels import moe_kernels as kernels
 
 WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -185,11 +192,65 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
         yield dx_rows
 
 
+def build_fp8_kernels(grads: WeightGrads) -> None:
+    """Compiles (or reads from the disk cache) every kernel the FP8 backward launches, before it
+    changes anything."""
+    m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS)
+    for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
+        k_grouped_fp8.get_kernel(grad.dtype, accumulate)
+    quant_kernels.get_kernel("activations", False)
+    for name in ("moe_gather_rows", "moe_swiglu_bwd", "moe_combine"):
+        kernels.get_kernel(name)
+
+
+def _data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``
+    (its transposed copy: FP8 MMAs read both operands K-major)."""
+    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), (weights.data_t, weights.scales.transpose(1, 2)), out,
+                                     offsets)
+    return out
+
+
+def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle,
+                          grads: WeightGrads, keep_handle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mega_moe_backward` for a handle of recipe "fp8", its arguments already checked: fills
+    `grads`, returns ``(dx [T, H] bf16, dtopk_weights [T, K] fp32)``."""
+    layout, x, h = handle.layout, handle.x, handle.h
+    offsets, inter = layout.offsets, l2.shape[2]
+    if dy.is_cuda:
+        build_fp8_kernels(grads)
+    w1, w2 = fp8_weights(l1), fp8_weights(l2)
+    dy_rows, dy_cols = fp8_quantize_columns(moe_gather_rows_bf16(dense_rows(dy), layout), offsets, with_rows=True)
+    d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
+                                                   act_weighted=d_act)
+    if not keep_handle:
+        handle.h = None
+        torch.autograd.graph.increment_version(h)
+    _, act_cols = fp8_quantize_columns(act_weighted, offsets)
+    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
+                                     dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
+    del dy_rows, dy_cols, act_cols, d_act, act_weighted
+    dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
+
+    def dl1_gemm() -> None:
+        _, x_cols = fp8_quantize_columns(moe_gather_rows_bf16(dense_rows(x), layout), offsets)
+        k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
+                                         dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
+
+    with SideStream(dy.device) as side:
+        side.run(dl1_gemm)
+        dx_rows = _data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
+        dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
+    return dx, routing_weight_grad(row_dw, layout)
+
+
 def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, *,
                       weight_grad_dtype: torch.dtype = torch.float32, dl1: Optional[torch.Tensor] = None,
                       dl2: Optional[torch.Tensor] = None, keep_handle: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `deep_gemm.bf16_mega_moe` given ``dy = dL/dy``.
+    """Gradients of `deep_gemm.bf16_mega_moe` (or of `deep_gemm.fp8_mega_moe`: the handle's
+    recipe, then the backward runs in FP8 too) given ``dy = dL/dy``.
 
     Args:
         dy: ``[T, H]`` bf16.
@@ -215,6 +276,9 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     check_backward_args(dy, l1, l2, handle, weight_grad_dtype, dl1, dl2, keep_handle)
     layout, x = handle.layout, handle.x
     grads = weight_grads(l1, l2, weight_grad_dtype, dl1, dl2)
+    if handle.recipe == "fp8":
+        dx, dtopk_weights = fp8_mega_moe_backward(dy, l1, l2, handle, grads, keep_handle)
+        return dx, dtopk_weights, grads.dl1, grads.dl2
     if dy.is_cuda:
         build_kernels(l1, l2, grads)
     dz, row_dw = backward_to_dz(dy, l2, handle, grads, keep_handle)

@@ -29,15 +29,23 @@ class MegaMoE(torch.nn.Module):
       - "deep_ep": DeepEP, `buffer` a `deep_ep.Buffer` (`megamoe_bwd.ep.make_deep_ep_buffer`),
         also across nodes;
       - "nccl": `all_to_all_single` (`megamoe_bwd.ep.ep_mega_moe_nccl`), no buffer.
-    The default picks "nvlink" with a buffer and "nccl" without.
+    The default picks "nvlink" with a buffer and "nccl" without. `fp8` runs the expert GEMMs in
+    blockwise FP8 (`mega_moe(..., fp8=True)`; one GPU only so far).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
-                 group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None):
+                 group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None,
+                 fp8: bool = False):
         super().__init__()
         for name, value in (("num_experts", num_experts), ("hidden", hidden), ("intermediate", intermediate)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(fp8, bool):
+            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+        if fp8 and group is not None:
+            raise ValueError("fp8=True runs on one GPU: the FP8 token exchange of expert parallelism is not built yet")
+        if fp8 and (hidden % 128 or intermediate % 128):
+            raise ValueError(f"fp8=True needs hidden and intermediate multiples of 128, got {hidden} and {intermediate}")
         backend = backend or ("nvlink" if buffer is not None else "nccl")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: pick one of {BACKENDS}")
@@ -45,7 +53,7 @@ class MegaMoE(torch.nn.Module):
             raise ValueError("a backend or buffer needs the process group the experts are spread over")
         if group is not None and (buffer is None) != (backend == "nccl"):
             raise ValueError(f"backend {backend!r} {'takes no' if backend == 'nccl' else 'needs a'} buffer")
-        self.group, self.buffer, self.backend = group, buffer, backend
+        self.group, self.buffer, self.backend, self.fp8 = group, buffer, backend, fp8
         world = dist.get_world_size(group) if group is not None else 1
         if num_experts % world:
             raise ValueError(f"{num_experts} experts do not split evenly over {world} ranks")
@@ -64,7 +72,7 @@ class MegaMoE(torch.nn.Module):
         """``y [T, H]`` bf16 of this rank's tokens ``x [T, H]`` bf16, with ``topk_idx [T, K]``
         int64 (global expert ids, ``-1`` = empty slot) and ``topk_weights [T, K]`` float."""
         if self.group is None:
-            return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2)
+            return mega_moe(x, topk_idx, topk_weights, self.l1, self.l2, fp8=self.fp8)
         if self.backend == "nvlink":
             return ep.ep_mega_moe_nvlink(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
         if self.backend == "deep_ep":

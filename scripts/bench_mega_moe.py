@@ -5,6 +5,8 @@ event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the pe
 above the inputs, allocated (tensors alive) and reserved (what the caching allocator holds:
 a block freed on a side stream stays there while that stream may still use it), for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
+    ours fp8 megamoe_bwd.mega_moe(..., fp8=True): the expert GEMMs in blockwise FP8, bf16 in
+             and out (TFLOPS counted as for bf16); `--no-fp8` leaves it out
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -158,6 +160,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
     parser.add_argument("--profile", action="store_true", help="also print ours' GPU time per kernel (one fwd+bwd)")
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
+    parser.add_argument("--no-fp8", action="store_true", help="leave our FP8 layer out (one GPU)")
     parser.add_argument("--impls", default=None,
                         help="with --num-processes: implementations to time, separated by ';' (names hold commas; "
                              "default: all; 'ours compute only' is always timed, the ratios' reference)")
@@ -170,6 +173,8 @@ def main() -> None:
         return
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe}
+    if not args.no_fp8:
+        impls["ours fp8"] = lambda *inputs: mega_moe(*inputs, fp8=True)
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")

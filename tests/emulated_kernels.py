@@ -11,6 +11,7 @@ import deep_gemm
 import megamoe_bwd  # noqa: F401  (imports the modules that hold kernels, the EP ones included)
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout, kernels
 from deep_gemm.moe.forward import moe_forward
+from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights
 from deep_gemm.testing import emulate
 from megamoe_bwd import mega_moe_backward
 
@@ -20,6 +21,8 @@ PAIRS = [
     (deep_gemm.m_grouped_bf16_gemm_nn_contiguous, emulate.m_grouped_gemm_nn),
     (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
     (deep_gemm.k_grouped_bf16_gemm_tn_contiguous, emulate.k_grouped_gemm_tn),
+    (deep_gemm.m_grouped_fp8_gemm_nt_contiguous, emulate.m_grouped_fp8_gemm_nt),
+    (deep_gemm.k_grouped_fp8_gemm_tn_contiguous, emulate.k_grouped_fp8_gemm_tn),
     (kernels.moe_combine_bf16, emulate.moe_combine),
     (kernels.moe_gather_rows_bf16, emulate.moe_gather_rows),
     (kernels.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
@@ -45,10 +48,14 @@ class EmulatedMegaMoE(torch.autograd.Function):
     layout, `moe_forward`, `mega_moe_backward`) on the kernels' emulations (`patch_kernels` first)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, l1, l2):
+    def forward(ctx, x, topk_idx, topk_weights, l1, l2, fp8=False):
         layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
-        y = torch.empty_like(x)
-        ctx.handle = MegaMoEHandle(layout, x.contiguous(), moe_forward(x.contiguous(), layout, topk_weights, l1, l2, y))
+        y, x = torch.empty_like(x), x.contiguous()
+        if fp8:  # (bf16 inputs: the quantization takes bf16)
+            h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), y)
+        else:
+            h = moe_forward(x, layout, topk_weights, l1, l2, y)
+        ctx.handle = MegaMoEHandle(layout, x, h, recipe="fp8" if fp8 else "bf16")
         ctx.save_for_backward(l1, l2)
         ctx.weights_dtype = topk_weights.dtype
         return y
@@ -57,9 +64,9 @@ class EmulatedMegaMoE(torch.autograd.Function):
     def backward(ctx, dy):
         l1, l2 = ctx.saved_tensors
         dx, dtopk_weights, dl1, dl2 = mega_moe_backward(dy.contiguous(), l1, l2, ctx.handle, weight_grad_dtype=l1.dtype)
-        return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2
+        return dx, None, dtopk_weights.to(ctx.weights_dtype), dl1, dl2, None
 
 
-def emulated_mega_moe(x, topk_idx, topk_weights, l1, l2):
+def emulated_mega_moe(x, topk_idx, topk_weights, l1, l2, *, fp8=False):
     """`megamoe_bwd.mega_moe`'s signature, on `EmulatedMegaMoE`."""
-    return EmulatedMegaMoE.apply(x, topk_idx, topk_weights, l1, l2)
+    return EmulatedMegaMoE.apply(x, topk_idx, topk_weights, l1, l2, fp8)

@@ -163,6 +163,14 @@ def test_the_backend_is_registered():
     assert model.model.layers[0].mlp.experts.config._experts_implementation == hf_backend.NAME
 
 
+def test_the_fp8_backend_is_registered():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    assert ALL_EXPERTS_FUNCTIONS[hf_backend.FP8_NAME] is hf_backend.megamoe_fp8_experts_forward
+    with pytest.raises(ValueError, match=f"the '{hf_backend.FP8_NAME}' experts backend cannot run"):
+        hf_backend.megamoe_fp8_experts_forward(Qwen3MoeExperts(_config(hidden_act="gelu")), torch.randn(4, 64),
+                                               torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2))
+
+
 def titan_math(x, scores, expert_ids, w1, w2, w3):
     """TorchTitan's experts: per expert w2 @ (silu(w1 @ x) * (w3 @ x)), scores applied after."""
     out = torch.zeros_like(x)
@@ -263,6 +271,28 @@ def test_training_steps_match_the_default_backend():
             losses.setdefault(backend, []).append(loss.item())
     for ours, base in zip(losses[hf_backend.NAME], losses["grouped_mm"]):
         assert abs(ours - base) <= 0.02 * abs(base), losses
+
+
+@requires_sm90
+def test_fp8_backend_trains_like_the_bf16_one():
+    """The issue's training bar at test scale: four AdamW steps with "megamoe_fp8" stay within 2%
+    of the bf16 backend's losses, and every expert weight gets a finite gradient."""
+    tokens = torch.randint(0, 256, (4, 256), device="cuda")
+    model = _small_model(hf_backend.NAME)
+    losses = {}
+    for backend in (hf_backend.NAME, hf_backend.FP8_NAME):
+        copy_ = _with_backend(model, backend)
+        optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-3)
+        for step in range(4):
+            loss, _, _ = _loss_and_grads(copy_, tokens)
+            if step == 0:
+                experts = copy_.model.layers[0].mlp.experts
+                assert all(p.grad is not None and bool(p.grad.isfinite().all())
+                           for p in (experts.gate_up_proj, experts.down_proj))
+            optimizer.step()
+            losses.setdefault(backend, []).append(loss.item())
+    for fp8, bf16 in zip(losses[hf_backend.FP8_NAME], losses[hf_backend.NAME]):
+        assert abs(fp8 - bf16) <= 0.02 * abs(bf16), losses
 
 
 @requires_sm90

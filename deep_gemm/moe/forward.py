@@ -35,6 +35,7 @@ class MegaMoEHandle:
     layout: RoutingLayout
     x: torch.Tensor
     h: Optional[torch.Tensor]
+    recipe: str = "bf16"  # "bf16", or "fp8" from `deep_gemm.fp8_mega_moe` (the backward follows it)
 
 
 def check_moe_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
@@ -143,20 +144,31 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     H and I must be multiples of 64; all tensors on one CUDA device, l1 and l2 contiguous and
     16-byte aligned. No host synchronisation (unless `check_ids`); deterministic.
     """
-    num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
-    for name, flag in (("training", training), ("check_ids", check_ids)):
+    x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "bf16_mega_moe")
+    h = moe_forward(x, layout, topk_weights, l1, l2, y)
+    return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)
+
+
+def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                    l2: torch.Tensor, y: Optional[torch.Tensor], training: bool, check_ids: bool, name: str,
+                    dim_multiple: int = DIM_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor, RoutingLayout]:
+    """The forwards' common start: every argument checked (H and I multiples of
+    `dim_multiple`), then ``(x with dense rows, y, the routing layout)``."""
+    num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    for dim, value in (("H", hidden), ("I", inter)):
+        if value % dim_multiple:
+            raise ValueError(f"{name}: {dim} = {value} must be a multiple of {dim_multiple}")
+    for flag_name, flag in (("training", training), ("check_ids", check_ids)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
     if y is not None:
         check_tensor("y", y, torch.bfloat16, 2)
         if tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
             raise ValueError(f"y must be [{num_tokens}, {hidden}] on {x.device}, got {list(y.shape)} on {y.device}")
     if not x.is_cuda:
-        raise ValueError("bf16_mega_moe runs on CUDA tensors")
+        raise ValueError(f"{name} runs on CUDA tensors")
     if y is None:
         y = x.new_empty(num_tokens, hidden)
     check_expert_ids(topk_idx, num_experts, check_ids)
     x = dense_rows(x)
-    layout = build_routing_layout(topk_idx, topk_weights, num_experts)
-    h = moe_forward(x, layout, topk_weights, l1, l2, y)
-    return y, (MegaMoEHandle(layout=layout, x=x, h=h) if training else None)
+    return x, y, build_routing_layout(topk_idx, topk_weights, num_experts)

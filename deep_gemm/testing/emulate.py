@@ -48,6 +48,30 @@ def k_grouped_gemm_tn(a, b, d, group_offsets, *, accumulate: bool = False, **_):
         d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
 
 
+def _dequantized(pair, scale_dims: tuple[int, ...]):
+    """An FP8 ``(data, scales)`` pair as float64: each scale repeated over the 128 elements of
+    its block along `scale_dims` of the data."""
+    data, scales = pair
+    for dim in scale_dims:
+        scales = scales.repeat_interleave(128, dim=dim)
+    return data.to(torch.float64) * scales.to(torch.float64)
+
+
+def m_grouped_fp8_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passes=1, pass_range=None, **_):
+    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_contiguous` on the dequantized operands."""
+    _m_grouped(_dequantized(a, (1,)), _dequantized(b, (1, 2)), d, group_offsets, True, a_row_index, num_passes,
+               pass_range)
+
+
+def k_grouped_fp8_gemm_tn(a, b, d, padded_offsets, *, accumulate: bool = False, **_):
+    """Emulates `deep_gemm.k_grouped_fp8_gemm_tn_contiguous` on the dequantized columns."""
+    a = _dequantized((a[0], a[1].T), (1,))  # [M, Mp]
+    b = _dequantized((b[0], b[1].T), (1,))  # [N, Mp]
+    for g, (start, end) in enumerate(_bounds(padded_offsets)):
+        out = a[:, start:end] @ b[:, start:end].T
+        d[g] = (d[g].to(torch.float64) + out).to(d.dtype) if accumulate else out.to(d.dtype)
+
+
 def moe_combine(rows, layout, weights, out, *, addend=None):
     """Emulates `deep_gemm.moe.kernels.moe_combine_bf16` (in float64)."""
     num_tokens, num_topk = layout.slot_row.shape

@@ -1,8 +1,11 @@
 """A transformers experts backend: Hugging Face MoE models run their experts through our fused
 layer, on the model's own parameters.
 
-    import megamoe_bwd.integrations.transformers  # registers "megamoe"
+    import megamoe_bwd.integrations.transformers  # registers "megamoe" and "megamoe_fp8"
     model.set_experts_implementation("megamoe")   # or experts_implementation="megamoe" in from_pretrained / the config
+
+"megamoe_fp8" runs the same layer with its expert GEMMs in blockwise FP8 (`deep_gemm.fp8_mega_moe`;
+H and I multiples of 128); the parameters and their gradients stay bf16.
 
 transformers 5.x dispatches an experts module's forward through `ExpertsInterface` (models whose
 experts class carries `@use_experts_implementation`): ``fn(experts, hidden_states [T, H],
@@ -24,7 +27,7 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from .. import autograd
 
-NAME = "megamoe"
+NAME, FP8_NAME = "megamoe", "megamoe_fp8"
 
 
 def unsupported(experts: torch.nn.Module) -> list[str]:
@@ -50,17 +53,26 @@ def unsupported(experts: torch.nn.Module) -> list[str]:
 
 
 def megamoe_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
+                            top_k_weights: torch.Tensor, *, fp8: bool = False) -> torch.Tensor:
     """The experts' output ``[T, H]`` (in hidden_states' dtype) for ``hidden_states [T, H]``,
     ``top_k_index [T, K]`` (ids of `experts`' E experts; E or more: an empty slot) and
-    ``top_k_weights [T, K]``, through `megamoe_bwd.mega_moe` on `experts.gate_up_proj` and
-    `experts.down_proj`."""
+    ``top_k_weights [T, K]``, through `megamoe_bwd.mega_moe` (with `fp8`: in blockwise FP8) on
+    `experts.gate_up_proj` and `experts.down_proj`."""
     problems = unsupported(experts)
     if problems:
-        raise ValueError(f"the {NAME!r} experts backend cannot run {type(experts).__name__}: {'; '.join(problems)}")
+        name = FP8_NAME if fp8 else NAME
+        raise ValueError(f"the {name!r} experts backend cannot run {type(experts).__name__}: {'; '.join(problems)}")
     num_experts = experts.gate_up_proj.shape[0]
     topk_idx = torch.where((top_k_index >= 0) & (top_k_index < num_experts), top_k_index, -1)
-    return autograd.mega_moe(hidden_states, topk_idx, top_k_weights, experts.gate_up_proj, experts.down_proj)
+    return autograd.mega_moe(hidden_states, topk_idx, top_k_weights, experts.gate_up_proj, experts.down_proj,
+                             fp8=fp8)
+
+
+def megamoe_fp8_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`megamoe_experts_forward` in blockwise FP8."""
+    return megamoe_experts_forward(experts, hidden_states, top_k_index, top_k_weights, fp8=True)
 
 
 ExpertsInterface.register(NAME, megamoe_experts_forward)
+ExpertsInterface.register(FP8_NAME, megamoe_fp8_experts_forward)

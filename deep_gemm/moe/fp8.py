@@ -1,0 +1,72 @@
+"""Mega MoE forward in blockwise FP8 (docs/DESIGN.md, "Blockwise FP8" and "The FP8 layer"), one
+GPU: x quantized per token -> GEMM1 in FP8 (rows gathered in its loads) -> SwiGLU -> the
+activation quantized per row -> GEMM2 in FP8 -> weighted combine in bf16. Parameters stay bf16;
+their FP8 copies come from `fp8_weights`, made once per change of the weight.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..gemm import m_grouped_fp8_gemm_nt_contiguous
+from ..quant import Fp8Weights, fp8_quantize_rows, fp8_quantize_weights
+from .forward import MegaMoEHandle, prepare_forward
+from .kernels import moe_combine_bf16, moe_swiglu_fwd_bf16
+from .layout import RoutingLayout
+
+# H and I must be multiples of this: every FP8 operand is scaled per 128 contraction elements.
+FP8_DIM_MULTIPLE = 128
+
+# weight -> (its storage pointer and version counter when quantized, its FP8 copy); by identity,
+# and gone with the weight
+_weight_cache = WeakIdKeyDictionary()
+
+
+def fp8_weights(w: torch.Tensor) -> Fp8Weights:
+    """The FP8 copy of an expert weight ``[E, N, K]`` bf16 (`deep_gemm.quant.fp8_quantize_weights`:
+    both orientations, 128 x 128 scales), cached with the tensor. It is made again when the
+    weight's storage or its version counter changed since: every in-place update bumps the
+    counter (an optimizer step, ``copy_`` under ``no_grad``), so one optimizer step costs one
+    quantization pass per weight, shared by the forward and the backward (and by every
+    micro-batch of the step). The copy holds 2 bytes per parameter, as long as the weight lives."""
+    key = (w.data_ptr(), w._version)
+    cached = _weight_cache.get(w)
+    if cached is None or cached[0] != key:
+        cached = (key, fp8_quantize_weights(w))
+        _weight_cache[w] = cached
+    return cached[1]
+
+
+def fp8_moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, w1: Fp8Weights,
+                    w2: Fp8Weights, y: torch.Tensor) -> torch.Tensor:
+    """The FP8 forward on a built layout: writes `y`, returns GEMM1's output h ``[T * K, 2I]``
+    bf16 (what the backward keeps, as in bf16)."""
+    num_slots, two_inter, hidden = layout.num_slots, w1.data.shape[1], x.shape[1]
+    xq = fp8_quantize_rows(x)
+    h = x.new_empty(num_slots, two_inter)
+    m_grouped_fp8_gemm_nt_contiguous((xq.data, xq.scales), (w1.data, w1.scales), h, layout.offsets,
+                                     a_row_index=layout.row_token)
+    act = fp8_quantize_rows(moe_swiglu_fwd_bf16(h, layout.offsets))
+    out = x.new_empty(num_slots, hidden)
+    m_grouped_fp8_gemm_nt_contiguous((act.data, act.scales), (w2.data, w2.scales), out, layout.offsets)
+    moe_combine_bf16(out, layout, topk_weights, y)
+    return h
+
+
+def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                 l2: torch.Tensor, y: Optional[torch.Tensor] = None, *, training: bool = False,
+                 check_ids: bool = False) -> tuple[torch.Tensor, Optional[MegaMoEHandle]]:
+    """`deep_gemm.bf16_mega_moe` with the expert GEMMs in blockwise FP8: the same arguments,
+    shapes and dtypes (bf16 in and out, bf16 weights), the same contract within the FP8
+    recipe's accuracy (docs/DESIGN.md, "Blockwise FP8"). H and I must be multiples of 128.
+
+    x and the SwiGLU activation are quantized per 1 x 128, the weights per 128 x 128
+    (`fp8_weights`, cached until a weight changes). With `training`, the handle (recipe "fp8")
+    makes `mega_moe_backward` run the backward in FP8 as well.
+    """
+    x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "fp8_mega_moe",
+                                   FP8_DIM_MULTIPLE)
+    h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), y)
+    return y, (MegaMoEHandle(layout=layout, x=x, h=h, recipe="fp8") if training else None)

@@ -1,0 +1,147 @@
+"""Spec of the FP8 Mega MoE layer (`deep_gemm.fp8_mega_moe` and its backward through
+`mega_moe_backward`): every output within 1.5x of the FP8 recipe's own error against the
+float64 spec (`megamoe_bwd.reference_fp8`), on a CPU with the kernels emulated and on a GPU;
+the weights' FP8 copies cached until a weight changes; bad input refused before any work.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import deep_gemm  # noqa: E402
+from deep_gemm.moe import build_routing_layout  # noqa: E402
+from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights  # noqa: E402
+from deep_gemm.moe.forward import MegaMoEHandle  # noqa: E402
+from emulated_kernels import patch_kernels  # noqa: E402
+from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
+from megamoe_bwd.reference import reference_backward, reference_forward, relative_error  # noqa: E402
+from megamoe_bwd.reference_fp8 import reference_backward_fp8, reference_forward_fp8  # noqa: E402
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
+OUTPUTS = ("y", "dx", "dtopk_weights", "dl1", "dl2")
+# (T, H, I, E, K, routing, empty-slot fraction): ragged groups, empty slots and experts, one hot expert, T = 1
+CASES = [
+    (100, 256, 128, 8, 4, "uniform", 0.0),
+    (100, 256, 128, 8, 4, "uniform", 0.3),
+    (64, 128, 256, 16, 2, "skewed", 0.0),  # experts without tokens
+    (50, 256, 128, 4, 2, "one_hot", 0.1),
+    (1, 128, 128, 4, 2, "uniform", 0.0),
+]
+
+
+@pytest.fixture
+def emulated_gemms(monkeypatch):
+    patch_kernels(monkeypatch.setattr)
+
+
+def _emulated_layer(x, topk_idx, topk_weights, l1, l2, dy):
+    """The FP8 layer's own orchestration on the CPU (kernels emulated, quantization by its
+    PyTorch reference): y, dx, dtopk_weights, dl1, dl2."""
+    layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
+    y = torch.empty_like(x)
+    h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), y)
+    handle = MegaMoEHandle(layout, x, h, recipe="fp8")
+    return (y, *mega_moe_backward(dy, l1, l2, handle))
+
+
+def _gpu_layer(x, topk_idx, topk_weights, l1, l2, dy):
+    y, handle = deep_gemm.fp8_mega_moe(x, topk_idx, topk_weights, l1, l2, training=True)
+    return (y, *mega_moe_backward(dy, l1, l2, handle))
+
+
+def _errors(layer, case, device):
+    """{output: (the layer's error, the FP8 reference's error)} against the float64 spec."""
+    T, H, I, E, K, routing, empty = case
+    p = make_moe_inputs(T, H, I, E, K, device=device, routing=routing, empty_slot_frac=empty, seed=T + H + E)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
+    ours = layer(*args)
+    f64 = [t.double() if t.is_floating_point() else t for t in args]
+    spec = (reference_forward(*f64[:5]), *reference_backward(*f64))
+    recipe = (reference_forward_fp8(*args[:5]), *reference_backward_fp8(*args))
+    return {name: (relative_error(o.double(), s), relative_error(r.double(), s))
+            for name, o, r, s in zip(OUTPUTS, ours, recipe, spec)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[5]}-T{c[0]}-empty{c[6]}" for c in CASES])
+def test_emulated_layer_meets_the_fp8_bar(emulated_gemms, case):
+    for name, (ours, recipe) in _errors(_emulated_layer, case, "cpu").items():
+        assert ours <= 1.5 * recipe, f"{name}: {ours:.3e} against the FP8 recipe's {recipe:.3e}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[5]}-T{c[0]}-empty{c[6]}" for c in CASES])
+def test_layer_meets_the_fp8_bar(case):
+    for name, (ours, recipe) in _errors(_gpu_layer, case, "cuda").items():
+        assert ours <= 1.5 * recipe, f"{name}: {ours:.3e} against the FP8 recipe's {recipe:.3e}"
+
+
+def test_the_fp8_recipe_is_near_the_spec_and_not_equal_to_it():
+    """The reference the bar is drawn from: FP8's error, a few percent, not bf16's, not zero."""
+    errors = _errors(lambda *a: (reference_forward(*a[:5]), *reference_backward(*a)), CASES[0], "cpu")
+    for name, (_, recipe) in errors.items():
+        assert 1e-3 < recipe < 1e-1, f"{name}: {recipe:.3e}"
+
+
+def test_fp8_weights_are_cached_until_the_weight_changes():
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    first = fp8_weights(w)
+    assert fp8_weights(w) is first
+    with torch.no_grad():
+        w.mul_(2)  # an in-place update (as an optimizer step makes) bumps the version counter
+    second = fp8_weights(w)
+    assert second is not first
+    assert torch.equal(second.scales, first.scales * 2)
+
+
+@pytest.mark.parametrize("inter,hidden", [(192, 256), (128, 320)])
+def test_dims_must_be_multiples_of_128(inter, hidden):
+    p = make_moe_inputs(4, hidden, inter, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="must be a multiple of 128"):
+        deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
+
+
+def test_cpu_tensors_are_refused():
+    p = make_moe_inputs(4, 128, 128, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hidden=192, intermediate=128), "multiples of 128"),
+    (dict(hidden=256, intermediate=128, group=object()), "runs on one GPU"),
+])
+def test_the_module_refuses_what_fp8_cannot_run(kwargs, match):
+    from megamoe_bwd import MegaMoE
+    with pytest.raises(ValueError, match=match):
+        MegaMoE(8, fp8=True, **kwargs)
+
+
+@requires_sm90
+def test_autograd_layer_in_fp8_is_the_direct_calls():
+    """`megamoe_bwd.mega_moe(..., fp8=True)` through autograd gives the direct calls' outputs and
+    gradients, bit for bit (the layer is deterministic)."""
+    from megamoe_bwd import mega_moe
+    p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", seed=1)
+    direct = _gpu_layer(*(p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")))
+    leaves = {n: p[n].detach().clone().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")}
+    y = mega_moe(*leaves.values(), fp8=True)
+    y.backward(p["dy"])
+    through = (y, leaves["x"].grad, leaves["topk_weights"].grad, leaves["l1"].grad, leaves["l2"].grad)
+    for name, a, b in zip(OUTPUTS, direct, through):
+        assert torch.equal(a.to(b.dtype), b), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_sm90)])
+def test_an_optimizer_step_renews_the_fp8_weights(device):
+    w = torch.nn.Parameter(torch.randn(2, 128, 256, device=device, dtype=torch.bfloat16))
+    before = fp8_weights(w)
+    w.grad = torch.randn_like(w)
+    torch.optim.AdamW([w], lr=1e-2, fused=device == "cuda").step()
+    after = fp8_weights(w)
+    assert after is not before and not torch.equal(after.data.view(torch.uint8), before.data.view(torch.uint8))
