@@ -13,14 +13,14 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("megamoe::forward", mutates_args=(), device_types="cuda")
 def _forward_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                l2: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     y, handle = (fp8_mega_moe if fp8 else bf16_mega_moe)(x, topk_idx, topk_weights, l1, l2, training=True)
     layout = handle.layout
     return (y, handle.h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row, layout.slot_valid)
 
 
 @_forward_op.register_fake
-def _(x, topk_idx, topk_weights, l1, l2, fp8):
+def _(x, topk_idx, topk_weights, l1, l2, fp8=False):
     (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, l1.shape
     num_slots = num_tokens * topk_idx.shape[1]
     return (x.new_empty(num_tokens, hidden), x.new_empty(num_slots, two_inter),
@@ -32,7 +32,7 @@ def _(x, topk_idx, topk_weights, l1, l2, fp8):
 @torch.library.custom_op("megamoe::backward", mutates_args=("h",), device_types="cuda")
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
                  offsets: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, slot_row: torch.Tensor,
-                 slot_valid: torch.Tensor, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 slot_valid: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), x, h,
                            recipe="fp8" if fp8 else "bf16")
     # Gradients take the parameters' dtype (autograd would cast them to it anyway).
@@ -40,7 +40,7 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.
 
 
 @_backward_op.register_fake
-def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, fp8):
+def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, fp8=False):
     return (torch.empty_like(x), slot_row.new_empty(slot_row.shape, dtype=torch.float32), torch.empty_like(l1),
             torch.empty_like(l2))
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import deep_gemm  # noqa: E402
 from deep_gemm.moe import build_routing_layout  # noqa: E402
-from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights  # noqa: E402
+from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights, invalidate_fp8_weights  # noqa: E402
 from deep_gemm.moe.forward import MegaMoEHandle  # noqa: E402
 from emulated_kernels import patch_kernels  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
@@ -137,11 +137,37 @@ def test_autograd_layer_in_fp8_is_the_direct_calls():
         assert torch.equal(a.to(b.dtype), b), name
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_sm90)])
-def test_an_optimizer_step_renews_the_fp8_weights(device):
+def test_an_optimizer_step_renews_the_fp8_weights(device, fused):
+    """Fused optimizers leave version counters alone: the step itself invalidates the copies."""
     w = torch.nn.Parameter(torch.randn(2, 128, 256, device=device, dtype=torch.bfloat16))
     before = fp8_weights(w)
     w.grad = torch.randn_like(w)
-    torch.optim.AdamW([w], lr=1e-2, fused=device == "cuda").step()
+    torch.optim.AdamW([w], lr=1e-2, fused=fused).step()
     after = fp8_weights(w)
     assert after is not before and not torch.equal(after.data.view(torch.uint8), before.data.view(torch.uint8))
+    assert fp8_weights(w) is after
+
+
+def test_writes_through_data_need_an_explicit_invalidation():
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    before = fp8_weights(w)
+    w.data.mul_(2)  # (bumps no version counter)
+    assert fp8_weights(w) is before
+    invalidate_fp8_weights()
+    assert torch.equal(fp8_weights(w).scales, before.scales * 2)
+
+
+@pytest.mark.parametrize("tokens,topk,experts,hidden,inter,match", [
+    (4, 2, 1025, 128, 128, "at most 1024 experts"),
+    (2**20, 8, 8, 2048, 256, "fewer than 2\\^31 elements"),  # [T * K, H] = 2^23 x 2^11
+])
+def test_sizes_the_fp8_backward_cannot_take_are_refused_in_the_forward(tokens, topk, experts, hidden, inter, match):
+    meta = dict(device="meta")
+    with pytest.raises(ValueError, match=match):
+        deep_gemm.fp8_mega_moe(torch.empty(tokens, hidden, dtype=torch.bfloat16, **meta),
+                               torch.empty(tokens, topk, dtype=torch.int64, **meta),
+                               torch.empty(tokens, topk, **meta),
+                               torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, **meta),
+                               torch.empty(experts, hidden, inter, dtype=torch.bfloat16, **meta))

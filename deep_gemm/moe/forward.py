@@ -39,8 +39,9 @@ class MegaMoEHandle:
 
 
 def check_moe_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                     l2: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """Raises TypeError/ValueError on a malformed MoE problem; returns (T, H, I, E, K)."""
+                     l2: torch.Tensor, dim_multiple: int = DIM_MULTIPLE) -> tuple[int, int, int, int, int]:
+    """Raises TypeError/ValueError on a malformed MoE problem (H and I must be multiples of
+    `dim_multiple`); returns (T, H, I, E, K)."""
     for name, t in (("x", x), ("l1", l1), ("l2", l2)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be a bf16 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
@@ -62,8 +63,8 @@ def check_moe_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
         raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T = {num_tokens}, K]")
     for name, value in (("H", hidden), ("I", inter)):
-        if value % DIM_MULTIPLE:
-            raise ValueError(f"{name} = {value} must be a multiple of {DIM_MULTIPLE}")
+        if value % dim_multiple:
+            raise ValueError(f"{name} = {value} must be a multiple of {dim_multiple}")
     devices = {t.device for t in (x, topk_idx, topk_weights, l1, l2)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
@@ -154,10 +155,7 @@ def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     dim_multiple: int = DIM_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor, RoutingLayout]:
     """The forwards' common start: every argument checked (H and I multiples of
     `dim_multiple`), then ``(x with dense rows, y, the routing layout)``."""
-    num_tokens, hidden, inter, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
-    for dim, value in (("H", hidden), ("I", inter)):
-        if value % dim_multiple:
-            raise ValueError(f"{name}: {dim} = {value} must be a multiple of {dim_multiple}")
+    num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2, dim_multiple)
     for flag_name, flag in (("training", training), ("check_ids", check_ids)):
         if not isinstance(flag, bool):
             raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")

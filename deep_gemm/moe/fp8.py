@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import m_grouped_fp8_gemm_nt_contiguous
 from ..quant import Fp8Weights, fp8_quantize_rows, fp8_quantize_weights
+from ..quant.kernels import MAX_GROUPS
 from .forward import MegaMoEHandle, prepare_forward
 from .kernels import moe_combine_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout
@@ -19,19 +21,39 @@ from .layout import RoutingLayout
 # H and I must be multiples of this: every FP8 operand is scaled per 128 contraction elements.
 FP8_DIM_MULTIPLE = 128
 
-# weight -> (its storage pointer and version counter when quantized, its FP8 copy); by identity,
-# and gone with the weight
+# weight -> (its storage pointer, version counter and the generation when quantized, its FP8
+# copy); by identity, and gone with the weight
 _weight_cache = WeakIdKeyDictionary()
+_generation = 0  # moves on at every optimizer step and `invalidate_fp8_weights`
+_step_hook = None
+
+
+def invalidate_fp8_weights() -> None:
+    """Makes every cached FP8 weight copy stale: call it after changing expert weights in a way
+    that neither an optimizer step nor the version counter reveals (writes through ``p.data``,
+    another framework's fused update)."""
+    global _generation
+    _generation += 1
 
 
 def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     """The FP8 copy of an expert weight ``[E, N, K]`` bf16 (`deep_gemm.quant.fp8_quantize_weights`:
-    both orientations, 128 x 128 scales), cached with the tensor. It is made again when the
-    weight's storage or its version counter changed since: every in-place update bumps the
-    counter (an optimizer step, ``copy_`` under ``no_grad``), so one optimizer step costs one
-    quantization pass per weight, shared by the forward and the backward (and by every
-    micro-batch of the step). The copy holds 2 bytes per parameter, as long as the weight lives."""
-    key = (w.data_ptr(), w._version)
+    both orientations, 128 x 128 scales), cached with the tensor, so that a training step
+    quantizes each weight once, for the forward, the backward and every micro-batch.
+
+    The copy is made again after any `torch.optim` optimizer's step (a global post-step hook,
+    registered at the first call: fused optimizers update parameters without bumping their
+    version counters), after any other in-place change of the weight that bumps its version
+    counter (``copy_`` under ``no_grad``), when its storage moves, and after
+    `invalidate_fp8_weights`. While a CUDA graph is being captured it is always made (inside
+    the graph, so every replay quantizes the weight as it then is). The copy holds 2 bytes per
+    parameter, as long as the weight lives."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(lambda *_: invalidate_fp8_weights())
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fp8_quantize_weights(w)
+    key = (w.data_ptr(), -1 if w.is_inference() else w._version, _generation)
     cached = _weight_cache.get(w)
     if cached is None or cached[0] != key:
         cached = (key, fp8_quantize_weights(w))
@@ -55,6 +77,20 @@ def fp8_moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.
     return h
 
 
+def check_fp8_sizes(x: torch.Tensor, topk_idx: torch.Tensor, l1: torch.Tensor) -> None:
+    """What the FP8 backward's quantization passes take, checked in the forward (so that a
+    backward never stops halfway): at most MAX_GROUPS experts (the column quantization's
+    group scan), and fewer than 2^31 elements in its largest operand, [T * K, max(H, 2I)]."""
+    if x.dim() != 2 or topk_idx.dim() != 2 or l1.dim() != 3:
+        return  # (check_moe_inputs says what is wrong)
+    num_experts, two_inter, hidden = l1.shape
+    if num_experts > MAX_GROUPS:
+        raise ValueError(f"fp8_mega_moe takes at most {MAX_GROUPS} experts, got {num_experts}")
+    if x.shape[0] * topk_idx.shape[1] * max(hidden, two_inter) >= 2**31:
+        raise ValueError(f"fp8_mega_moe quantizes [T * K, max(H, 2I)] = [{x.shape[0] * topk_idx.shape[1]}, "
+                         f"{max(hidden, two_inter)}] in one pass, which takes fewer than 2^31 elements")
+
+
 def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
                  l2: torch.Tensor, y: Optional[torch.Tensor] = None, *, training: bool = False,
                  check_ids: bool = False) -> tuple[torch.Tensor, Optional[MegaMoEHandle]]:
@@ -66,6 +102,7 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     (`fp8_weights`, cached until a weight changes). With `training`, the handle (recipe "fp8")
     makes `mega_moe_backward` run the backward in FP8 as well.
     """
+    check_fp8_sizes(x, topk_idx, l1)
     x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "fp8_mega_moe",
                                    FP8_DIM_MULTIPLE)
     h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), y)

@@ -30,8 +30,9 @@ from .. import autograd
 NAME, FP8_NAME = "megamoe", "megamoe_fp8"
 
 
-def unsupported(experts: torch.nn.Module) -> list[str]:
-    """What keeps `experts` (a transformers experts module) from running on the fused layer."""
+def unsupported(experts: torch.nn.Module, fp8: bool = False) -> list[str]:
+    """What keeps `experts` (a transformers experts module) from running on the fused layer
+    (with `fp8`: on its FP8 recipe)."""
     problems = []
     if getattr(experts, "has_bias", False):
         problems.append("expert biases")
@@ -49,6 +50,9 @@ def unsupported(experts: torch.nn.Module) -> list[str]:
     for name in ("gate_up_proj", "down_proj"):
         if not isinstance(getattr(experts, name, None), torch.Tensor):
             problems.append(f"no `{name}` tensor")
+    down = getattr(experts, "down_proj", None)
+    if fp8 and isinstance(down, torch.Tensor) and down.dim() == 3 and (down.shape[1] % 128 or down.shape[2] % 128):
+        problems.append(f"hidden and intermediate sizes {down.shape[1]} and {down.shape[2]} (FP8 takes multiples of 128)")
     return problems
 
 
@@ -58,7 +62,7 @@ def megamoe_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tenso
     ``top_k_index [T, K]`` (ids of `experts`' E experts; E or more: an empty slot) and
     ``top_k_weights [T, K]``, through `megamoe_bwd.mega_moe` (with `fp8`: in blockwise FP8) on
     `experts.gate_up_proj` and `experts.down_proj`."""
-    problems = unsupported(experts)
+    problems = unsupported(experts, fp8)
     if problems:
         name = FP8_NAME if fp8 else NAME
         raise ValueError(f"the {name!r} experts backend cannot run {type(experts).__name__}: {'; '.join(problems)}")
