@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (divides --tokens)")
     parser.add_argument("--backends", default="grouped_mm,megamoe",
-                        help="experts backends, the first is the baseline: megamoe or one of transformers' "
+                        help="experts backends, the first is the baseline: megamoe, megamoe_fp8 or one of transformers' "
                              "(grouped_mm, eager, batched_mm)")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, after a linear warm-up")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
@@ -123,7 +123,7 @@ def main() -> None:
     require_sm90("train_moe.py")
     if args.tokens % args.seq:
         sys.exit(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
-    import megamoe_bwd.integrations.transformers  # noqa: F401  (registers "megamoe")
+    import megamoe_bwd.integrations.transformers  # noqa: F401  (registers "megamoe" and "megamoe_fp8")
 
     data = load_text()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  text: {data.numel()} bytes (pydoc_data)")
