@@ -10,7 +10,8 @@ The steps are building blocks of the expert-parallel backward too (megamoe_bwd.e
 runs dA's GEMM and dx's GEMM in passes around the token exchange.
 
 In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy's routed rows are
-quantized once, as rows (dA's GEMM) and per-expert columns (dl2's); dA, dx's rows and both
+quantized once, gathered by the quantization's loads, as rows (dA's GEMM) and per-expert
+columns (dl2's); dA, dx's rows and both
 weight gradients run in FP8, the SwiGLU backward and the combine in bf16 as above; dz is
 quantized once, as rows (dx's GEMM) and columns (dl1's). The weights' FP8 copies are the
 forward's (`fp8_weights`: the data gradients read their transposed halves).
@@ -199,7 +200,7 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
-    for name in ("moe_gather_rows", "moe_swiglu_bwd", "moe_combine"):
+    for name in ("moe_swiglu_bwd", "moe_combine"):
         kernels.get_kernel(name)
 
 
@@ -220,7 +221,8 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     if dy.is_cuda:
         build_fp8_kernels(grads)
     w1, w2 = fp8_weights(l1), fp8_weights(l2)
-    dy_rows, dy_cols = fp8_quantize_columns(moe_gather_rows_bf16(dense_rows(dy), layout), offsets, with_rows=True)
+    # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
+    dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
     d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
                                                    act_weighted=d_act)
@@ -234,7 +236,7 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
 
     def dl1_gemm() -> None:
-        _, x_cols = fp8_quantize_columns(moe_gather_rows_bf16(dense_rows(x), layout), offsets)
+        _, x_cols = fp8_quantize_columns(x, offsets, row_index=layout.row_token)
         k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
                                          dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 

@@ -1,6 +1,6 @@
 """A small run of every kernel variant (the grouped GEMMs with and without row gathers, in
 passes, the MoE layer forward and backward, the wait for other GPUs' partial sums and the
-combine that adds them, the FP8 quantization and GEMMs) for compute-sanitizer memcheck and racecheck:
+combine that adds them, the FP8 quantization and GEMMs, the FP8 layer) for compute-sanitizer memcheck and racecheck:
 
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py
 
@@ -78,6 +78,7 @@ for row_index in (None, index):
                                                a_row_index=row_index)
 dx8 = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
 _, c1 = fp8_quantize_columns(torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16), offsets)
+fp8_quantize_columns(x8[:100], offsets, row_index=index, with_rows=True)  # rows gathered in the loads, some out of range
 _, c2 = fp8_quantize_columns(x8, offsets)
 dy8 = fp8_quantize_rows(d8)  # the data gradient, on the weights' transposed copy
 deep_gemm.m_grouped_fp8_gemm_nt_contiguous((dy8.data, dy8.scales), (w8.data_t, w8.scales.transpose(1, 2)), dx8, offsets)
@@ -86,5 +87,9 @@ for dtype in (torch.float32, torch.bfloat16):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                    torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
                                                    c1.padded_offsets, accumulate=accumulate)
+# The FP8 layer, forward and backward.
+p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
+y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
+mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 torch.cuda.synchronize()
 print("sanitize case done")

@@ -139,10 +139,31 @@ def test_weights_one_scale_per_128x128_block_in_both_orientations(power_of_two):
      "1 to 1024 groups"),
     (lambda: fp8_quantize_weights(torch.zeros(2, 100, 128, dtype=torch.bfloat16)), "multiple of 128"),
     (lambda: fp8_quantize_weights(torch.zeros(100, 128, dtype=torch.bfloat16)), "3-D"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32),
+                                  row_index=torch.zeros(4, dtype=torch.int32)), "int64"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(call, error):
     with pytest.raises((TypeError, ValueError), match=error):
         call()
+
+
+def _row_index(num_rows: int, source_rows: int, device="cpu") -> torch.Tensor:
+    """Rows picked with repeats from a source of another height, two of them out of range."""
+    index = torch.randint(0, max(source_rows, 1), (num_rows,), device=device)
+    if num_rows > 2:
+        index[num_rows // 2], index[num_rows // 3] = source_rows, -1
+    return index
+
+
+def test_gathered_columns_are_the_columns_of_the_gathered_rows():
+    x = _activations(300, 256)
+    index = _row_index(500, 300)
+    offsets = offsets_from_sizes([100, 0, 250, 150], "cpu")
+    gathered = torch.where(((index >= 0) & (index < 300))[:, None], x[index.clamp(0, 299)], 0)
+    rows, cols = fp8_quantize_columns(x, offsets, row_index=index, with_rows=True)
+    ref_rows, ref = fp8_quantize_columns(gathered, offsets, with_rows=True)
+    assert _same_bits(cols.data, ref.data) and _same_bits(cols.scales, ref.scales)
+    assert _same_bits(rows.data, ref_rows.data) and _same_bits(rows.scales, ref_rows.scales)
 
 
 # GPU: the kernels against the reference, bit for bit.
@@ -189,6 +210,22 @@ def test_columns_kernel_equals_the_reference(sizes, k, power_of_two):
             _assert_rows_equal(rows, ref_rows)
         else:
             assert rows is None
+
+
+@requires_sm90
+@pytest.mark.parametrize("sizes,k", GROUP_CASES[:4])
+def test_gathered_columns_kernel_equals_the_reference(sizes, k):
+    sizes = _sizes(sizes)
+    x = _activations(max(sum(sizes) // 2, 1), k)
+    index = _row_index(sum(sizes), x.shape[0])
+    offsets = offsets_from_sizes(sizes, "cpu")
+    ref_rows, ref = reference.fp8_quantize_columns_torch(x, offsets, row_index=index, with_rows=True)
+    with poisoned_allocations(16 * (index.numel() * k + 128 * len(sizes) * k)) as poisoned:
+        rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=index.cuda(), with_rows=True)
+        assert poisoned(cols.data) and poisoned(cols.scales)
+    used = int(ref.padded_offsets[-1])
+    assert _same_bits(cols.data[:, :used], ref.data[:, :used]) and _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+    _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
 
 
 @requires_sm90

@@ -14,8 +14,9 @@ from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, fp8_quantize_col
                         fp8_quantize_weights_torch, padded_group_width)
 
 _ACTIVATIONS = ParamsStruct("deep_gemm::Fp8QuantizeActivationsParams", [
-    ("x", "ptr"), ("offsets", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("qt", "ptr"), ("scales_t", "ptr"),
-    ("padded_offsets", "ptr"), ("m", "u32"), ("k", "u32"), ("num_groups", "u32"), ("scales_ld", "u32"), ("mp", "u32")])
+    ("x", "ptr"), ("row_index", "ptr"), ("offsets", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("qt", "ptr"),
+    ("scales_t", "ptr"), ("padded_offsets", "ptr"), ("m", "u32"), ("k", "u32"), ("num_groups", "u32"),
+    ("scales_ld", "u32"), ("mp", "u32"), ("x_rows", "u32")])
 _WEIGHTS = ParamsStruct("deep_gemm::Fp8QuantizeWeightsParams", [
     ("w", "ptr"), ("q", "ptr"), ("qt", "ptr"), ("scales", "ptr"), ("num_groups", "u32"), ("n", "u32"), ("k", "u32")])
 _NUM_THREADS = 256
@@ -51,10 +52,9 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
-def _empty_rows(x: torch.Tensor) -> Fp8Rows:
-    m, k = x.shape
-    storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=x.device)
-    return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device), storage[:, :m].T)
+def _empty_rows(m: int, k: int, device: torch.device) -> Fp8Rows:
+    storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)
+    return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -66,42 +66,54 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     if not x.is_cuda:
         return fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two_scales)
     check_cuda_devices(x=x)
-    out = _empty_rows(x)
+    out = _empty_rows(*x.shape, x.device)
     m, k = x.shape
     if m:
         _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
-                offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0, scales_t=0, padded_offsets=0,
-                m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0)
+                row_index=0, offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0, scales_t=0,
+                padded_offsets=0, m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0, x_rows=m)
     return out
 
 
-def fp8_quantize_columns(x: torch.Tensor, group_offsets: torch.Tensor, *, with_rows: bool = False,
-                         power_of_two_scales: bool = False) -> tuple[Optional[Fp8Rows], Fp8Columns]:
+def fp8_quantize_columns(x: torch.Tensor, group_offsets: torch.Tensor, *, row_index: Optional[torch.Tensor] = None,
+                         with_rows: bool = False, power_of_two_scales: bool = False
+                         ) -> tuple[Optional[Fp8Rows], Fp8Columns]:
     """x ``[M, K]`` bf16 (K a multiple of 128) in row groups (`group_offsets` ``[G + 1]`` int32,
     G <= 1024), transposed and quantized per 128 x 1 within each group: an operand of
     `k_grouped_fp8_gemm_tn_contiguous` (see `Fp8Columns`; its padded offsets are written on the
-    GPU). `with_rows` also returns the rows quantized per 1 x 128 (`fp8_quantize_rows`), from the
-    same pass: rows outside every group are left unwritten there."""
+    GPU). With `row_index` (int64 ``[M]``), row m is ``x[row_index[m]]`` (x then has any number of
+    rows; an index outside them reads zeros), gathered by the kernel's loads: no gathered copy.
+    `with_rows` also returns the rows quantized per 1 x 128 (`fp8_quantize_rows`), from the same
+    pass: rows outside every group are left unwritten there."""
     _check_rows(x)
     num_groups = check_group_offsets(group_offsets)
     if not 1 <= num_groups <= MAX_GROUPS:
         raise ValueError(f"the column quantization takes 1 to {MAX_GROUPS} groups, got {num_groups}")
+    if row_index is not None:
+        check_tensor("row_index", row_index, torch.int64, 1)
+        if row_index.numel() * x.shape[1] >= 2**31:
+            raise ValueError(f"row_index picks {row_index.numel()} rows of {x.shape[1]}: the kernels index rows with "
+                             f"32-bit counts")
     if not x.is_cuda:
-        return fp8_quantize_columns_torch(x, group_offsets, with_rows=with_rows,
+        return fp8_quantize_columns_torch(x, group_offsets, row_index=row_index, with_rows=with_rows,
                                           power_of_two_scales=power_of_two_scales)
-    check_cuda_devices(x=x, group_offsets=group_offsets)
-    m, k = x.shape
+    if row_index is None:
+        check_cuda_devices(x=x, group_offsets=group_offsets)
+    else:
+        check_cuda_devices(x=x, group_offsets=group_offsets, row_index=row_index)
+    m, k = (x.shape[0] if row_index is None else row_index.numel()), x.shape[1]
     width = padded_group_width(m, num_groups)
     columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=x.device),
                          torch.empty(width // BLOCK, k, dtype=torch.float32, device=x.device),
                          torch.empty(num_groups + 1, dtype=torch.int32, device=x.device))
-    rows = _empty_rows(x) if with_rows else None
+    rows = _empty_rows(m, k, x.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
     _launch("activations", power_of_two_scales, x.device.index, width // BLOCK * (k // BLOCK), x=x.data_ptr(),
-            offsets=group_offsets.data_ptr(), q=rows.data.data_ptr() if rows else 0,
-            scales=rows.scales.data_ptr() if rows else 0, qt=columns.data.data_ptr(),
-            scales_t=columns.scales.data_ptr(), padded_offsets=columns.padded_offsets.data_ptr(), m=m, k=k,
-            num_groups=num_groups, scales_ld=rows.scales.stride(1) if rows else 0, mp=width)
+            row_index=0 if row_index is None else row_index.data_ptr(), offsets=group_offsets.data_ptr(),
+            q=rows.data.data_ptr() if rows else 0, scales=rows.scales.data_ptr() if rows else 0,
+            qt=columns.data.data_ptr(), scales_t=columns.scales.data_ptr(),
+            padded_offsets=columns.padded_offsets.data_ptr(), m=m, k=k, num_groups=num_groups,
+            scales_ld=rows.scales.stride(1) if rows else 0, mp=width, x_rows=x.shape[0])
     return rows, columns
 
 

@@ -113,10 +113,21 @@ def padded_offsets_torch(group_offsets: torch.Tensor, num_rows: int) -> torch.Te
     return torch.tensor(padded, dtype=torch.int32)
 
 
-def fp8_quantize_columns_torch(x: torch.Tensor, group_offsets: torch.Tensor, *, with_rows: bool = False,
-                               power_of_two_scales: bool = False) -> tuple[Optional[Fp8Rows], Fp8Columns]:
+def gather_rows(x: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    """``x[row_index]``, zeros where an index lies outside x's rows."""
+    valid = (row_index >= 0) & (row_index < x.shape[0])
+    if x.shape[0] == 0:
+        return x.new_zeros(row_index.numel(), x.shape[1])
+    return torch.where(valid[:, None], x[row_index.clamp(0, x.shape[0] - 1)], 0)
+
+
+def fp8_quantize_columns_torch(x: torch.Tensor, group_offsets: torch.Tensor, *, row_index: Optional[torch.Tensor] = None,
+                               with_rows: bool = False, power_of_two_scales: bool = False
+                               ) -> tuple[Optional[Fp8Rows], Fp8Columns]:
     """`deep_gemm.quant.fp8_quantize_columns` in PyTorch (rows outside every group are in no
     copy; rows that two malformed groups share are in both)."""
+    if row_index is not None:
+        x = gather_rows(x, row_index)
     m, k = x.shape
     num_groups = group_offsets.numel() - 1
     padded = padded_offsets_torch(group_offsets, m)

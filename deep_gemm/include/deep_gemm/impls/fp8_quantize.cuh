@@ -34,10 +34,19 @@ struct TileRegs {
 
     // Rows r < num_rows from `src` (row r at src + r * ld), zeros below; all loads in flight at once.
     __device__ __forceinline__ void load(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows) {
+        load_rows(src, ld, num_rows, [](uint32_t r) { return static_cast<int64_t>(r); });
+    }
+
+    // Row r < num_rows from src + source_of(r) * ld (a negative source: zeros), zeros below.
+    template <typename SourceOf>
+    __device__ __forceinline__ void load_rows(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows,
+                                              const SourceOf& source_of) {
         #pragma unroll
-        for (uint32_t i = 0; i < kNumPasses; ++i)
-            raw[i] = row(i) < num_rows ? __ldg(reinterpret_cast<const uint4*>(src + row(i) * ld + col()))
-                                       : make_uint4(0, 0, 0, 0);
+        for (uint32_t i = 0; i < kNumPasses; ++i) {
+            const int64_t source = row(i) < num_rows ? source_of(row(i)) : -1;
+            raw[i] = source >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + source * ld + col()))
+                                 : make_uint4(0, 0, 0, 0);
+        }
     }
 
     // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
@@ -120,14 +129,15 @@ struct ColumnPair {
 }  // namespace fp8_quantize
 
 struct Fp8QuantizeActivationsParams {
-    const __nv_bfloat16* x;  // [M, K]
+    const __nv_bfloat16* x;  // [M, K], or [x_rows, K] with row_index
+    const int64_t* row_index;  // [M] or null: row m is x's row row_index[m] (outside [0, x_rows): zeros)
     const int* offsets;      // [G + 1] row groups (transposed copy only)
     uint8_t* q;              // [M, K] e4m3, or null
     float* scales;           // [K / 128][scales_ld]: scales[kb * scales_ld + m] for row m, columns 128 kb..
     uint8_t* qt;             // [K, mp] e4m3, or null: column p of group g is its row p - padded[g]
     float* scales_t;         // [mp / 128, K]: one per 128 columns of qt and row of it
     int* padded_offsets;     // [G + 1]: group g's columns of qt, [padded[g], padded[g + 1]), multiples of 128
-    uint32_t m, k, num_groups, scales_ld, mp;
+    uint32_t m, k, num_groups, scales_ld, mp, x_rows;
 };
 
 // Without `qt`, tiles walk rows 128 at a time and `offsets` is not read. With it, tiles walk the
@@ -160,7 +170,14 @@ struct Fp8QuantizeActivations {
                 num_rows = min(kTile, end - min(row_begin, end));
             }
             TileRegs regs;
-            regs.load(p.x + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k, num_rows);
+            if (p.row_index == nullptr) {
+                regs.load(p.x + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k, num_rows);
+            } else {
+                regs.load_rows(p.x + kb * kTile, p.k, num_rows, [&](uint32_t r) {
+                    const int64_t source = __ldg(p.row_index + row_begin + r);
+                    return source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
+                });
+            }
 
             if (p.q != nullptr) {
                 #pragma unroll
