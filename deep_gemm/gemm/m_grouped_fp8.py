@@ -28,24 +28,31 @@ PARAMS = ParamsStruct("deep_gemm::MGroupedFp8GemmParams", [
 FP8_TMA_ROWS, FP8_GATHERED_ROWS = "Fp8TmaRows", "Fp8GatheredRows"  # producer/rows.cuh
 
 
-# 128 x 128 tiles (one B scale block a tile and k-block), with A's row scales in each stage: 132
-# of them (the TMA box starts at the tile's first row rounded down to 4), 640 bytes
-# (producer::kFp8ScaleStageBytes).
+# Tiles of 128 rows x 128 or 256 columns (one B scale block per 128 columns and k-block), with A's
+# row scales in each stage: 132 of them (the TMA box starts at the tile's first row rounded down
+# to 4), 640 bytes (producer::kFp8ScaleStageBytes). 256 columns when N allows: A's tile is read once for
+# twice the columns, and a tile's fixed costs (epilogue, drain) weigh half as much.
 SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
-CONFIG = make_config(128, tensor_store_staging_bytes(128), scale_bytes_per_stage=SCALE_STAGE_BYTES)
+CONFIGS = {n: make_config(n, tensor_store_staging_bytes(n), scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
+
+
+def get_config(n: int):
+    """The tile width for N (a multiple of 128): 256 where it divides N."""
+    return CONFIGS[256 if n % 256 == 0 else 128]
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(producer: str) -> Kernel:
-    kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{CONFIG.block_n}, {CONFIG.num_stages}, "
-                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{BF16_STORE}<{CONFIG.block_n}>>")
+def get_kernel(producer: str, block_n: int) -> Kernel:
+    config = CONFIGS[block_n]
+    kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
+                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{BF16_STORE}<{block_n}>>")
     return build_kernel("sm90_fp8_m_grouped_gemm.cuh", "dg_sm90_fp8_m_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
-                        CONFIG.smem_bytes)
+                        config.smem_bytes)
 
 
-def all_kernels() -> list[str]:
-    """The producer policy of every variant (for `get_kernel`)."""
-    return [FP8_TMA_ROWS, FP8_GATHERED_ROWS]
+def all_kernels() -> list[tuple[str, int]]:
+    """(producer policy, tile width) of every variant (for `get_kernel`)."""
+    return [(producer, n) for producer in (FP8_TMA_ROWS, FP8_GATHERED_ROWS) for n in CONFIGS]
 
 
 def _check_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, a_rows: int, k: int, g: int, n: int) -> None:
@@ -104,18 +111,19 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
     problem = MGroupedProblem.check_shapes(a_data, b_data, d, group_offsets, False, a_row_index, num_passes,
                                            ready_flags, pass_range, operand_dtype=torch.float8_e4m3fn)
     check_multiple("K", problem.k, BLOCK_K)
-    check_multiple("N", problem.n, CONFIG.block_n)
+    check_multiple("N", problem.n, 128)
     _check_scales(a_scales, b_scales, a_data.shape[0], problem.k, problem.num_groups, problem.n)
     problem.check_devices(a_scales=a_scales, b_scales=b_scales)
     if problem.empty:
         return
     p = problem
+    config = get_config(p.n)
     if print_configs_enabled() and (p.m, p.n, p.k, p.num_groups) not in _printed:
         _printed.add((p.m, p.n, p.k, p.num_groups))
-        print(f"[deep_gemm] m_grouped_fp8_gemm_nt: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {CONFIG.label}")
+        print(f"[deep_gemm] m_grouped_fp8_gemm_nt: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {config.label}")
     params = PARAMS.pack(
         tensor_map_a=make_tma_2d_desc(a_data, a_data.shape[0], p.k, 128, BLOCK_M),  # (gathered rows: unused)
-        tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, CONFIG.block_n),
+        tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, config.block_n),
         tensor_map_d=make_tma_3d_desc(d.unsqueeze(0), 64, 64),
         tensor_map_scales_a=make_tma_scales_desc(a_scales, SCALE_BOX_ROWS),
         d=d.data_ptr(), group_offsets=group_offsets.data_ptr(),
@@ -125,6 +133,6 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         m=p.m, n=p.n, k=p.k, num_groups=p.num_groups, a_rows=a_data.shape[0], num_passes=p.num_passes,
         pass_begin=p.pass_range[0], pass_end=p.pass_range[1], a_scales_ld=a_scales.stride(1),
         b_scales_stride_g=b_scales.stride(0), b_scales_stride_n=b_scales.stride(1), b_scales_stride_k=b_scales.stride(2))
-    kernel = get_kernel(FP8_TMA_ROWS if a_row_index is None else FP8_GATHERED_ROWS)
-    num_tiles_bound = (p.m // BLOCK_M + p.num_groups * p.num_passes) * (p.n // CONFIG.block_n)
+    kernel = get_kernel(FP8_TMA_ROWS if a_row_index is None else FP8_GATHERED_ROWS, config.block_n)
+    num_tiles_bound = (p.m // BLOCK_M + p.num_groups * p.num_passes) * (p.n // config.block_n)
     kernel.launch(params, grid_size(kernel, num_tiles_bound, p.device.index), p.device.index)

@@ -82,7 +82,7 @@ struct Sm90FP8KGroupedGemm {
                 zero_accum(acc);
                 consume_k_blocks_fp8<BLOCK_N, kNumStages, 1>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t) {
+                    [&](uint32_t stage, uint32_t, uint32_t) {
                         const float* rows = smem.scales(stage) + scale_row;
                         return RowColumnScales<BLOCK_N>{{rows[0], rows[8]}, smem.scales(stage) + BLOCK_M};
                     },

@@ -35,7 +35,9 @@ struct alignas(128) MGroupedFp8GemmParams {
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epilogue>
 struct Sm90FP8MGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
-    static_assert(BLOCK_N == 128, "one B scale block per tile and k-block");
+    static_assert(BLOCK_N == 128 or BLOCK_N == 256, "one B scale block per 128 columns and k-block");
+    // Two sets of fresh products fit the registers beside 64 accumulators, not beside 128.
+    static constexpr uint32_t kNumProductSets = BLOCK_N == 128 ? 2 : 1;
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes,
                               producer::kFp8ScaleStageBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
@@ -92,10 +94,10 @@ struct Sm90FP8MGroupedGemm {
                 const float* b_scales = p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
                                         (tile.n_begin / 128) * p.b_scales_stride_n;
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages, 2>(
+                consume_k_blocks_fp8<BLOCK_N, kNumStages, kNumProductSets>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t k_block) {
-                        const float b = __ldg(b_scales + k_block * p.b_scales_stride_k);
+                    [&](uint32_t stage, uint32_t k_block, uint32_t cols) {
+                        const float b = __ldg(b_scales + cols * p.b_scales_stride_n + k_block * p.b_scales_stride_k);
                         const float* a = smem.scales(stage) + Producer::scale_offset(tile.row_begin) + scale_row;
                         return RowScales{{a[0] * b, a[8] * b}};
                     },

@@ -49,72 +49,92 @@ struct RowColumnScales {
     }
 };
 
-// One math warpgroup's FP8 mainloop. `scales(stage, k_block)` returns the k-block's scales
-// (RowScales, RowColumnScales); it runs while the block's MMAs are in flight. Both it and the
-// promotion may read the stage (scales in shared memory): each warp releases the stage after them.
-// `before_mma(stage)` runs after the stage has landed and before any MMA reads it. With
-// kNumProductSets = 2, two sets of fresh products alternate: block k + 1's MMAs are issued before
-// block k is promoted, so the tensor cores have work queued while this warpgroup waits and
-// promotes. With 1, each block is issued, awaited and promoted in turn (64 registers fewer).
+// One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of 128 columns (m64n128k32
+// MMAs; BLOCK_N = 256 is two of them, the accumulators of the second after the first's, which
+// is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of
+// a k-block's products of columns 128 cols.. (RowScales, RowColumnScales); it runs while those
+// MMAs are in flight. Both it and the promotion may read the stage (scales in shared memory):
+// each warp releases the stage after them. `before_mma(stage)` runs after the stage has landed
+// and before any MMA reads it. kNumProductSets = 2 (BLOCK_N = 128 only) alternates two sets of
+// fresh products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores
+// have work queued while this warpgroup waits and promotes. With 1, each product is issued,
+// awaited and promoted in turn (64 registers fewer).
 template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem, typename Scales,
           typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma) {
-    float part0[BLOCK_N / 2], part1[BLOCK_N / 2];
+    constexpr uint32_t kProduct = 64;  // a thread's accumulators of one 64 x 128 product
+    constexpr uint32_t kNumProducts = BLOCK_N / 128;
+    static_assert(BLOCK_N % 128 == 0 and (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
+    float part0[kProduct], part1[kProduct];
     const bool releases = ptx::lane_idx() == 0;
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
-    const auto issue = [&](float (&part)[BLOCK_N / 2]) {
-        smem.full(next.stage)->wait(next.phase);
-        before_mma(next.stage);
+    // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
+    // the stage, the last moves on to the next.
+    const auto issue = [&](float (&part)[kProduct], auto cols) {
+        constexpr uint32_t kCols = decltype(cols)::value;
+        if constexpr (kCols == 0) {
+            smem.full(next.stage)->wait(next.phase);
+            before_mma(next.stage);
+        }
         warpgroup_fence_operand(part);
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)
-            WGMMAFp8<BLOCK_N>::mma(make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, k),
-                                   make_operand_desc<Major::kKMajor>(smem.b(next.stage), k), part, k > 0);
+            WGMMAFp8<128>::mma(make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, k),
+                               make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * 128 * kSwizzleBytes, k),
+                               part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
-        next.template advance<kNumStages>();
+        if constexpr (kCols + 1 == kNumProducts)
+            next.template advance<kNumStages>();
     };
-    // Block k_block's products (issued) into acc, once at most `newer` (0 or 1) newer MMA batches
-    // are left in flight.
-    const auto promote = [&](auto newer, float (&part)[BLOCK_N / 2], uint32_t k_block) {
-        const auto s = scales(pipe.stage, k_block);
+    // Product `cols` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer MMA
+    // batches are left in flight; after the block's last product the stage is released.
+    const auto promote = [&](auto newer, float (&part)[kProduct], uint32_t k_block, auto cols) {
+        constexpr uint32_t kCols = decltype(cols)::value;
+        const auto s = scales(pipe.stage, k_block, kCols);
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
-        s.promote(part, acc);
-        __syncwarp();  // every lane's reads of the stage before lane 0 releases it
-        if (releases)
-            smem.empty(pipe.stage)->arrive();
-        pipe.template advance<kNumStages>();
+        s.promote(part, *reinterpret_cast<float (*)[kProduct]>(acc + kCols * kProduct));
+        if constexpr (kCols + 1 == kNumProducts) {
+            __syncwarp();  // every lane's reads of the stage before lane 0 releases it
+            if (releases)
+                smem.empty(pipe.stage)->arrive();
+            pipe.template advance<kNumStages>();
+        }
     };
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;
-    static_assert(kNumProductSets == 1 or kNumProductSets == 2);
+    constexpr std::integral_constant<uint32_t, 0> kFirst;
+    constexpr std::integral_constant<uint32_t, 1> kSecond;
     if constexpr (kNumProductSets == 1) {
-        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block)
-            issue(part0), promote(kNoneNewer, part0, k_block);
+        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
+            issue(part0, kFirst), promote(kNoneNewer, part0, k_block, kFirst);
+            if constexpr (kNumProducts == 2)
+                issue(part0, kSecond), promote(kNoneNewer, part0, k_block, kSecond);
+        }
         return;
     }
     if (num_k_blocks == 0)
         return;
     // Which products are in flight must not depend on the path taken (ptxas serializes the MMAs
     // otherwise): the loop starts and ends each pair with block k_block's in part0, the tail drains.
-    issue(part0);
+    issue(part0, kFirst);
     uint32_t k_block = 0;
     for (; k_block + 2 < num_k_blocks; k_block += 2) {
-        issue(part1);
-        promote(kOneNewer, part0, k_block);
-        issue(part0);
-        promote(kOneNewer, part1, k_block + 1);
+        issue(part1, kFirst);
+        promote(kOneNewer, part0, k_block, kFirst);
+        issue(part0, kFirst);
+        promote(kOneNewer, part1, k_block + 1, kFirst);
     }
     if (k_block + 1 < num_k_blocks) {
-        issue(part1);
-        promote(kOneNewer, part0, k_block);
-        promote(kNoneNewer, part1, k_block + 1);
+        issue(part1, kFirst);
+        promote(kOneNewer, part0, k_block, kFirst);
+        promote(kNoneNewer, part1, k_block + 1, kFirst);
     } else {
-        promote(kNoneNewer, part0, k_block);
+        promote(kNoneNewer, part0, k_block, kFirst);
     }
 }
 
