@@ -196,7 +196,8 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
 def build_fp8_kernels(grads: WeightGrads) -> None:
     """Compiles (or reads from the disk cache) every kernel the FP8 backward launches, before it
     changes anything."""
-    m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS)
+    for n in (grads.dl2.shape[2], grads.dl1.shape[2]):  # dA's N is I, dx's H
+        m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)

@@ -200,12 +200,14 @@ def get_kernel(name: str, source: str, num_threads: int, smem_bytes: int, entry:
 
 
 def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct, num_threads: int,
-                 smem_bytes: int = 0, cluster_size: int = 1) -> Kernel:
+                 smem_bytes: int = 0, cluster_size: int = 1, min_blocks_per_sm: int = 1) -> Kernel:
     """The kernel whose `extern "C"` entry `entry` runs ``kernel_type::run(params)``, `kernel_type`
     being a C++ kernel struct of ``deep_gemm/impls/<header>`` with its template arguments (e.g.
     ``deep_gemm::MoECombine<256>``); compiled once (disk-cached). The source asserts that the
     struct `params` describes is laid out as the launcher packs it and, for a kernel with dynamic
-    shared memory, that it needs the `smem_bytes` the launch gives it (``Kernel::kSmemBytes``)."""
+    shared memory, that it needs the `smem_bytes` the launch gives it (``Kernel::kSmemBytes``).
+    `min_blocks_per_sm` is `__launch_bounds__`' second argument: ptxas caps the registers so that
+    that many CTAs fit on an SM."""
     source = (
         ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
         "#include <cstddef>\n"
@@ -214,7 +216,7 @@ def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct
         f"{params.static_asserts()}\n"
         + (f'static_assert(Kernel::kSmemBytes == {smem_bytes}, "the launcher gives {smem_bytes} bytes of dynamic '
            'shared memory");\n' if smem_bytes else "") + "\n"
-        f'extern "C" __global__ void __launch_bounds__({num_threads}, 1)\n'
+        f'extern "C" __global__ void __launch_bounds__({num_threads}, {min_blocks_per_sm})\n'
         f"{entry}(const __grid_constant__ {params.cpp_name} p) {{\n"
         f"    Kernel::run(p);\n"
         f"}}\n")

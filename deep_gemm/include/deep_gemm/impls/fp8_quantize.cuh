@@ -6,8 +6,9 @@
 //                           (the weight gradients' operands; each group's tokens padded with zeros
 //                           to a multiple of 128, so that a scale block never holds two groups);
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
-// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; the transposed
-// copy and the column scales come from a bf16 copy of the tile in shared memory.
+// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread, while the CTA
+// quantizes the tile before it (two tiles in registers, two CTAs an SM); the transposed copy and
+// the column scales come from a bf16 copy of the tile in shared memory.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/fp8.cuh"
@@ -76,6 +77,12 @@ struct TileRegs {
         for (uint32_t i = 0; i < kNumPasses; ++i)
             ptx::st_shared_v4(smem + row(i) * kTile + col(), raw[i]);
     }
+};
+
+// Where a tile of the activations lies: its 128-row block (of the padded columns, for the
+// transposed copy), its 128-column block, and the rows of x it reads.
+struct TileCoords {
+    uint32_t block, kb, row_begin, num_rows;
 };
 
 // Thread t's share of a tile's columns in shared memory: columns 2 (t % 64) and 2 (t % 64) + 1 of
@@ -160,24 +167,40 @@ struct Fp8QuantizeActivations {
         const uint32_t num_k_blocks = p.k / kTile;
         const uint32_t num_row_blocks = transposed ? static_cast<uint32_t>(padded[p.num_groups]) / kTile
                                                    : ptx::ceil_div(p.m, kTile);
-        for (uint32_t t = blockIdx.x; t < num_row_blocks * num_k_blocks; t += gridDim.x) {
-            const uint32_t block = t / num_k_blocks, kb = t % num_k_blocks;
-            uint32_t row_begin = block * kTile, num_rows = min(kTile, p.m - min(row_begin, p.m));
+        const uint32_t num_tiles = num_row_blocks * num_k_blocks;
+        // Each tile's rows are loaded while the tile before it is quantized and stored (two tiles
+        // in registers), so that a CTA always has loads in flight.
+        const auto coords = [&](uint32_t t) {
+            TileCoords c{t / num_k_blocks, t % num_k_blocks, 0, 0};
+            c.row_begin = c.block * kTile, c.num_rows = min(kTile, p.m - min(c.row_begin, p.m));
             if (transposed) {
-                const uint32_t g = group_of(padded, p.num_groups, block * kTile);
+                const uint32_t g = group_of(padded, p.num_groups, c.block * kTile);
                 const uint32_t begin = clamped(p.offsets, g, 0, p.m), end = clamped(p.offsets, g + 1, begin, p.m);
-                row_begin = begin + block * kTile - padded[g];
-                num_rows = min(kTile, end - min(row_begin, end));
+                c.row_begin = begin + c.block * kTile - padded[g];
+                c.num_rows = min(kTile, end - min(c.row_begin, end));
             }
-            TileRegs regs;
+            return c;
+        };
+        const auto load = [&](TileRegs& regs, const TileCoords& c) {
             if (p.row_index == nullptr) {
-                regs.load(p.x + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k, num_rows);
+                regs.load(p.x + static_cast<uint64_t>(c.row_begin) * p.k + c.kb * kTile, p.k, c.num_rows);
             } else {
-                regs.load_rows(p.x + kb * kTile, p.k, num_rows, [&](uint32_t r) {
-                    const int64_t source = __ldg(p.row_index + row_begin + r);
+                regs.load_rows(p.x + c.kb * kTile, p.k, c.num_rows, [&](uint32_t r) {
+                    const int64_t source = __ldg(p.row_index + c.row_begin + r);
                     return source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
                 });
             }
+        };
+        TileCoords next_coords{};
+        TileRegs next;
+        if (blockIdx.x < num_tiles)
+            next_coords = coords(blockIdx.x), load(next, next_coords);
+        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+            const TileCoords c = next_coords;
+            const uint32_t block = c.block, kb = c.kb, row_begin = c.row_begin, num_rows = c.num_rows;
+            const TileRegs regs = next;
+            if (t + gridDim.x < num_tiles)
+                next_coords = coords(t + gridDim.x), load(next, next_coords);
 
             if (p.q != nullptr) {
                 #pragma unroll
@@ -302,12 +325,23 @@ struct Fp8QuantizeWeights {
         __shared__ float warp_amax[kNumThreads / 32];
         const uint32_t num_n_blocks = p.n / kTile, num_k_blocks = p.k / kTile;
         const uint32_t num_tiles = p.num_groups * num_n_blocks * num_k_blocks;
+        // As in the activations: the next tile loads while this one is quantized and stored.
+        const auto load = [&](TileRegs& regs, uint32_t t) {
+            const uint32_t g = t / (num_n_blocks * num_k_blocks), nb = t / num_k_blocks % num_n_blocks,
+                           kb = t % num_k_blocks;
+            regs.load(p.w + static_cast<uint64_t>(g) * p.n * p.k + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile,
+                      p.k, kTile);
+        };
+        TileRegs next;
+        if (blockIdx.x < num_tiles)
+            load(next, blockIdx.x);
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const uint32_t g = t / (num_n_blocks * num_k_blocks), nb = t / num_k_blocks % num_n_blocks,
                            kb = t % num_k_blocks;
             const uint64_t group_base = static_cast<uint64_t>(g) * p.n * p.k;
-            TileRegs regs;
-            regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
+            const TileRegs regs = next;
+            if (t + gridDim.x < num_tiles)
+                load(next, t + gridDim.x);
             regs.to_smem(tile_smem);
             float amax = 0.0f;
             #pragma unroll
