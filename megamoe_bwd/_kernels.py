@@ -44,4 +44,6 @@ RoutingLayout = moe_layout.RoutingLayout
 
 stream_write_u32 = _module("jit.runtime").stream_write_u32
 check_tensor = _module("utils").check_tensor
-relative_error = _module("testing").relative_error
+testing = _module("testing")
+relative_error = testing.relative_error
+torch_fp8_rowwise_grouped_mm, torch_fp8_rowwise_wgrad = testing.torch_fp8_rowwise_grouped_mm, testing.torch_fp8_rowwise_wgrad

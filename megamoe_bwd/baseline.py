@@ -28,15 +28,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm_moe", "expert_mlps"]
+from ._kernels import torch_fp8_rowwise_grouped_mm, torch_fp8_rowwise_wgrad
+
+__all__ = ["grouped_mm_moe", "expert_mlps", "fp8_rowwise_moe"]
 
 
-def expert_mlps(xs: torch.Tensor, offs: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+def _bf16_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a [n, K] @ w[g].T`` per group for w ``[G, N, K]``: torch._grouped_mm."""
+    return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+
+class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+    """torchao-style FP8 grouped GEMM ``a [n, K] @ w[g].T`` on torch._scaled_grouped_mm, rowwise
+    e4m3 scales (torch's quantization), fast accumulation, bf16 out; the backward the same: dA on
+    w's transposed copy, dW by the 2d-2d form on groups padded to 16 rows (which reads the group
+    sizes on the host: a sync)."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs):
+        ctx.save_for_backward(a, w, offs)
+        return torch_fp8_rowwise_grouped_mm(a, w, torch.cat([offs.new_zeros(1), offs]))
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, w, offs = ctx.saved_tensors
+        group_offsets = torch.cat([offs.new_zeros(1), offs])
+        da = torch_fp8_rowwise_grouped_mm(dy.contiguous(), w.transpose(1, 2).contiguous(), group_offsets)
+        sizes = (offs - torch.cat([offs.new_zeros(1), offs[:-1]])).tolist()
+        dw, _ = torch_fp8_rowwise_wgrad(dy, a, sizes)
+        return da, dw().to(w.dtype), None
+
+
+def _fp8_rowwise_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _Fp8RowwiseGroupedMM.apply(a, w, offs)
+
+
+def expert_mlps(xs: torch.Tensor, offs: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor,
+                grouped_mm=_bf16_grouped_mm) -> torch.Tensor:
     """SwiGLU expert MLPs of expert-sorted rows: ``xs [n, H]``, ``offs`` int32 ``[E]``
-    cumulative end rows (every row in some group), ``l1 [E, 2I, H]``, ``l2 [E, H, I]``."""
-    h = torch._grouped_mm(xs, l1.transpose(-2, -1), offs=offs)  # [n, 2I]
+    cumulative end rows (every row in some group), ``l1 [E, 2I, H]``, ``l2 [E, H, I]``;
+    `grouped_mm(a, w, offs)` computes ``a @ w[g].T`` per group."""
+    h = grouped_mm(xs, l1, offs)  # [n, 2I]
     g, u = h.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(g) * u, l2.transpose(-2, -1), offs=offs)  # [n, H]
+    return grouped_mm(F.silu(g) * u, l2, offs)  # [n, H]
 
 
 def grouped_mm_moe(
@@ -45,8 +79,10 @@ def grouped_mm_moe(
     topk_weights: torch.Tensor,
     l1: torch.Tensor,
     l2: torch.Tensor,
+    grouped_mm=_bf16_grouped_mm,
 ) -> torch.Tensor:
-    """MoE forward with two ``torch._grouped_mm`` calls; differentiable via autograd.
+    """MoE forward with two ``torch._grouped_mm`` calls (or `grouped_mm(a, w, offs)`, ``a @ w[g].T``
+    per group); differentiable via autograd.
 
     Args:
         x: ``[T, H]`` bf16 activations.
@@ -78,9 +114,17 @@ def grouped_mm_moe(
 
     keep = valid[order].unsqueeze(-1)
     xs = torch.where(keep, x.index_select(0, token), 0)  # [n, H], expert-major
-    o = expert_mlps(xs, offs, l1, l2)
+    o = expert_mlps(xs, offs, l1, l2, grouped_mm)
 
     # where (not multiply by a mask) so the empty slots' weight gradient is exactly 0.
     w = torch.where(valid, topk_weights.reshape(-1), 0)
     o = o * w.index_select(0, order).to(x.dtype).unsqueeze(-1)
     return x.new_zeros(T, H).index_add(0, token, o)
+
+
+def fp8_rowwise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
+                    l2: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm_moe` with its four expert GEMMs (and their gradients) in FP8 the torchao way:
+    torch._scaled_grouped_mm with rowwise scales from torch's own quantization (the FP8 layer's
+    baseline in scripts/bench_mega_moe.py). CUDA only; H and I multiples of 16."""
+    return grouped_mm_moe(x, topk_idx, topk_weights, l1, l2, grouped_mm=_fp8_rowwise_grouped_mm)

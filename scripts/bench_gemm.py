@@ -49,7 +49,7 @@ from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: 
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
-from deep_gemm.testing.fp8_baseline import quantize_rowwise  # noqa: E402
+from deep_gemm.testing.fp8_baseline import quantize_rowwise, torch_fp8_rowwise_wgrad  # noqa: E402
 
 
 def gemm_cases(hidden: int, inter: int):
@@ -157,30 +157,6 @@ def _sliced_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return relative_error(out.flatten()[:1 << 24].float(), ref.flatten()[:1 << 24].float())
 
 
-def _torch_fp8_wgrad(a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
-    """torch._scaled_grouped_mm's weight gradient ``[G, M, N]`` of a ``[R, M]``, b ``[R, N]``
-    bf16, on groups padded with zero rows to multiples of 16 (at least 16), scales per group and
-    column (rowwise along the tokens): (a function running it, its padded rows)."""
-    padded = [max(16, -(-s // 16) * 16) for s in sizes]
-    pa = a.new_zeros(sum(padded), a.shape[1])
-    pb = b.new_zeros(sum(padded), b.shape[1])
-    src = dst = 0
-    qa, qb, sa, sb = [], [], [], []
-    for s, p in zip(sizes, padded):
-        pa[dst:dst + s], pb[dst:dst + s] = a[src:src + s], b[src:src + s]
-        q, scale = quantize_rowwise(pa[dst:dst + p].T)  # [M, p], one scale per column of the group
-        qa.append(q), sa.append(scale)
-        q, scale = quantize_rowwise(pb[dst:dst + p].T)
-        qb.append(q), sb.append(scale)
-        src, dst = src + s, dst + p
-    mat_a = torch.cat(qa, dim=1).contiguous()  # [M, R'] row-major
-    mat_b = torch.cat(qb, dim=1).contiguous().T  # [R', N] column-major
-    scale_a, scale_b = torch.cat(sa), torch.cat(sb)  # [G * M], [G * N]
-    ends = offsets_from_sizes(padded)[1:].contiguous()
-    return (lambda: torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16,
-                                             use_fast_accum=True)), sum(padded)
-
-
 def _upstream_m_grouped(upstream, x: torch.Tensor, b_nk: torch.Tensor, sizes: list[int]):
     """Upstream DeepGEMM's FP8 ``D = A @ B[g].T`` on our problem, set up as its users must: every
     group padded with zero rows to its alignment (``m_indices`` -1 there), its own casts."""
@@ -217,7 +193,7 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) 
         ours = lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,  # noqa: E731
                                                                   qa.padded_offsets)
         bf16 = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d_bf16, offsets)  # noqa: E731
-        theirs, _ = _torch_fp8_wgrad(a, b, sizes)
+        theirs, _ = torch_fp8_rowwise_wgrad(a, b, sizes)
         bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))[:4]  # errors over the first 4 groups
         exact = lambda: torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in bounds])  # noqa: E731
         theirs_out = lambda: theirs()[:4]  # noqa: E731

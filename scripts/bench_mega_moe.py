@@ -6,7 +6,10 @@ above the inputs, allocated (tensors alive) and reserved (what the caching alloc
 a block freed on a side stream stays there while that stream may still use it), for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
     ours fp8 megamoe_bwd.mega_moe(..., fp8=True): the expert GEMMs in blockwise FP8, bf16 in
-             and out (TFLOPS counted as for bf16); `--no-fp8` leaves it out
+             and out (TFLOPS counted as for bf16); `--no-fp8` leaves it and the next out
+    torch fp8 rowwise  megamoe_bwd.baseline.fp8_rowwise_moe: the torch MoE with its GEMMs on
+             torch._scaled_grouped_mm, rowwise scales, torch's quantization (torchao-style; its
+             weight gradients read the group sizes on the host)
     torch    megamoe_bwd.grouped_mm_moe (sort, torch._grouped_mm, SwiGLU, torch._grouped_mm,
              weighted index_add; autograd backward)
     liger    liger_kernel's LigerFusedMoEFunction, when the package is installed
@@ -43,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.testing import warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, make_moe_inputs, mega_moe  # noqa: E402
+from megamoe_bwd.baseline import fp8_rowwise_moe  # noqa: E402
 
 
 def deep_ep_available() -> bool:
@@ -174,6 +178,7 @@ def main() -> None:
 
     impls = {"torch": grouped_mm_moe, "ours": mega_moe}
     if not args.no_fp8:
+        impls["torch fp8 rowwise"] = fp8_rowwise_moe
         impls["ours fp8"] = lambda *inputs: mega_moe(*inputs, fp8=True)
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()

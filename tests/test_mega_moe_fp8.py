@@ -171,3 +171,23 @@ def test_sizes_the_fp8_backward_cannot_take_are_refused_in_the_forward(tokens, t
                                torch.empty(tokens, topk, **meta),
                                torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, **meta),
                                torch.empty(experts, hidden, inter, dtype=torch.bfloat16, **meta))
+
+
+@requires_sm90
+def test_the_blockwise_layer_is_more_accurate_than_the_torch_rowwise_fp8_moe():
+    """Against the float64 spec, every output of ours within 1.5x of the torchao-style rowwise
+    FP8 MoE's error (`megamoe_bwd.baseline.fp8_rowwise_moe`, the benchmark's FP8 baseline)."""
+    from megamoe_bwd.baseline import fp8_rowwise_moe
+    p = make_moe_inputs(256, 256, 128, 8, 4, device="cuda", seed=3)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
+    ours = _gpu_layer(*args)
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in args[:5]]
+    y = fp8_rowwise_moe(*leaves)
+    y.backward(args[5])
+    theirs = (y, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad)
+    f64 = [t.double() if t.is_floating_point() else t for t in args]
+    spec = (reference_forward(*f64[:5]), *reference_backward(*f64))
+    for name, o, t, s in zip(OUTPUTS, ours, theirs, spec):
+        ours_err, theirs_err = relative_error(o.double(), s), relative_error(t.double(), s)
+        assert ours_err <= 1.5 * theirs_err, f"{name}: ours {ours_err:.3e}, torch rowwise {theirs_err:.3e}"
+

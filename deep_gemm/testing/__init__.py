@@ -5,4 +5,4 @@ from .numeric import relative_error
 from .graphs import eager_and_graph_replay
 from .groups import offsets_from_sizes, random_group_sizes
 from .poison import poisoned_allocations
-from .fp8_baseline import torch_fp8_rowwise_grouped_mm
+from .fp8_baseline import torch_fp8_rowwise_grouped_mm, torch_fp8_rowwise_wgrad

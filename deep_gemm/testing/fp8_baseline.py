@@ -1,5 +1,7 @@
 import torch
 
+from .groups import offsets_from_sizes
+
 E4M3_MAX = 448.0
 
 
@@ -19,3 +21,27 @@ def torch_fp8_rowwise_grouped_mm(a: torch.Tensor, b: torch.Tensor, group_offsets
     qb, sb = quantize_rowwise(b)
     return torch._scaled_grouped_mm(qa, qb.transpose(-2, -1), sa, sb, offs=group_offsets[1:], out_dtype=torch.bfloat16,
                                     use_fast_accum=fast_accum)
+
+
+def torch_fp8_rowwise_wgrad(a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
+    """torch._scaled_grouped_mm's weight gradient ``[G, M, N]`` of a ``[R, M]``, b ``[R, N]``
+    bf16, on groups padded with zero rows to multiples of 16 (at least 16), scales per group and
+    column (rowwise along the tokens): (a function running it, its padded rows)."""
+    padded = [max(16, -(-s // 16) * 16) for s in sizes]
+    pa = a.new_zeros(sum(padded), a.shape[1])
+    pb = b.new_zeros(sum(padded), b.shape[1])
+    src = dst = 0
+    qa, qb, sa, sb = [], [], [], []
+    for s, p in zip(sizes, padded):
+        pa[dst:dst + s], pb[dst:dst + s] = a[src:src + s], b[src:src + s]
+        q, scale = quantize_rowwise(pa[dst:dst + p].T)  # [M, p], one scale per column of the group
+        qa.append(q), sa.append(scale)
+        q, scale = quantize_rowwise(pb[dst:dst + p].T)
+        qb.append(q), sb.append(scale)
+        src, dst = src + s, dst + p
+    mat_a = torch.cat(qa, dim=1).contiguous()  # [M, R'] row-major
+    mat_b = torch.cat(qb, dim=1).contiguous().T  # [R', N] column-major
+    scale_a, scale_b = torch.cat(sa), torch.cat(sb)  # [G * M], [G * N]
+    ends = offsets_from_sizes(padded)[1:].contiguous()
+    return (lambda: torch._scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16,
+                                             use_fast_accum=True)), sum(padded)
