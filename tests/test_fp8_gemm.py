@@ -118,6 +118,27 @@ def test_blockwise_recipe_is_at_least_as_accurate_as_torch_rowwise(spec, n, k):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+def test_256_wide_tiles_equal_128_wide_ones_bit_for_bit(monkeypatch, gather):
+    """Every output element is the same sum either way (the same k-blocks, promoted in order)."""
+    from deep_gemm.gemm import m_grouped_fp8
+    sizes, n, k = [0, 1, 127, 128, 129, 300, 0, 1000], 512, 1024
+    a = torch.randn(sum(sizes) + 3, k, device="cuda", dtype=torch.bfloat16)
+    a_fp8 = fp8_quantize_rows(a)
+    w = fp8_quantize_weights(torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16))
+    index = torch.randint(0, a.shape[0], (a.shape[0],), device="cuda") if gather else None
+    offsets = offsets_from_sizes(sizes)
+    outs = []
+    for width in (256, 128):
+        monkeypatch.setattr(m_grouped_fp8, "get_config", lambda _, width=width: m_grouped_fp8.CONFIGS[width])
+        d = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), d, offsets,
+                                                   a_row_index=index)
+        outs.append(d)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+@requires_sm90
 def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     """5 groups x 2 passes; flags already set (nothing to wait for); then one pass per launch."""
     run_sizes = [0, 0, 1, 0, 60, 70, 30, 34, 0, 200]
