@@ -2,7 +2,7 @@
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
 # Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,fp8_bench,quant_bench,moe_bench,train by
-# default; TEST_GROUPS picks test groups): the offline editable install, imported from another
+# default, and ncu_fp8 on request; TEST_GROUPS picks test groups): the offline editable install, imported from another
 # directory; every kernel variant compiled in parallel (python -m deep_gemm.precompile); the GPU
 # tests; WGMMA / local-memory check of every cached GEMM; compute-sanitizer memcheck and
 # racecheck on a small case; the GEMM benchmark (BENCH_ARGS), its FP8 rows (FP8_BENCH_ARGS);
@@ -75,6 +75,17 @@ fi
 if has moe_bench; then
   timeout -k 10 -s ABRT ${MOE_BENCH_LIMIT:-300} python3 -X faulthandler scripts/bench_mega_moe.py --plot "$OUT/mega_moe.png" ${MOE_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_mega_moe.log" | tail -20
+fi
+if has ncu_fp8; then  # (not in the default steps) Nsight Compute on the 30B forward GEMM: ours, and upstream's with NCU_UPSTREAM=DIR
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy"
+  for who in ours ${NCU_UPSTREAM:+upstream}; do
+    if [[ $who == ours ]]; then kernel=dg_sm90_fp8_m_grouped; extra=; else kernel=fp8_gemm_1d2d; extra="--upstream $NCU_UPSTREAM"; fi
+    timeout -s KILL 240 ncu --target-processes all -k "regex:$kernel" --launch-skip 3 --launch-count 1 $sections \
+      python3 scripts/bench_gemm.py --precision fp8 --models 30b --routing uniform --only fwd1 $extra > "$OUT/ncu_fp8_$who.log" 2>&1
+    echo "[ncu $who] $(grep -E '^  [a-z_]+.*\(' "$OUT/ncu_fp8_$who.log" | head -1)"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|No Eligible|Registers Per Thread" \
+      "$OUT/ncu_fp8_$who.log" | head -14 | sed "s/^/[ncu $who] /"
+  done
 fi
 if has train; then
   timeout -k 10 -s ABRT ${TRAIN_LIMIT:-300} python3 -X faulthandler scripts/train_moe.py --plot "$OUT/train_moe.png" \

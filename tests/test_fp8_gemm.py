@@ -1,8 +1,8 @@
 """Spec of the blockwise-FP8 grouped GEMMs: m-grouped (forward, data gradient) and k-grouped
 (weight gradients, on the column copies).
 
-Kernel exactness: against an fp32 product of the dequantized operands, relative error <= 2e-3
-(a bf16 output's rounding; the FP8 MMAs' reduced-precision sums inside each 128-deep block). Recipe accuracy: against the fp32 product of the original bf16
+Kernel exactness: against an fp32 product of the dequantized operands, relative error <= 2e-3,
+or 1.25x a perfect kernel's where the output's own rounding comes near 2e-3 (`exact_bar`). Recipe accuracy: against the fp32 product of the original bf16
 operands, no worse than PyTorch's rowwise FP8 grouped GEMM on the same data. GPU cases draw fresh
 random data in ragged, empty, single-row and one-huge groups and poison the output with NaN
 first: rows outside every group must stay NaN. Bad input is refused before any launch (runs
@@ -26,9 +26,14 @@ from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
 
-# Against the exact product of the dequantized operands only the bf16 output rounds: each element
-# by at most 2^-8 of itself, so the norm-relative error too (a 1 x 128 output measured 2.09e-3).
-EXACT_TOL = 2.0**-8
+EXACT_TOL = 2e-3  # against the exact product of the dequantized operands
+
+
+def exact_bar(exact: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> float:
+    """2e-3, or 1.25x the error of a perfect kernel (the exact product rounded once to
+    out_dtype) where that comes near it: rounding alone costs a bf16 output 1.66e-3 (relative,
+    10^6 random values) and a 1 x 128 one 1.94e-3, and a one-row output of ours measured 2.09e-3."""
+    return max(EXACT_TOL, 1.25 * relative_error(exact.to(out_dtype).float(), exact))
 
 # (group sizes, N, K): ragged with every kind of tail, empty groups, one row, one huge group.
 CASES = [
@@ -92,7 +97,8 @@ def _run(spec, n, k, data_gradient=False, gather=False):
     a_deq = reference.dequantize_rows(a_fp8)
     if gather:
         a_deq = torch.cat([a_deq, a_deq.new_zeros(1, k)])[index]
-    exact = relative_error(d[:rows], _reference(a_deq, _dequantized_b(b_fp8), sizes)) if rows else 0.0
+    ref = _reference(a_deq, _dequantized_b(b_fp8), sizes)
+    exact = (relative_error(d[:rows], ref), exact_bar(ref)) if rows else (0.0, EXACT_TOL)
     return sizes, a, b, offsets, d, exact
 
 
@@ -101,8 +107,8 @@ def _run(spec, n, k, data_gradient=False, gather=False):
 @pytest.mark.parametrize("data_gradient", [False, True], ids=["forward", "data_gradient"])
 @pytest.mark.parametrize("spec,n,k", CASES)
 def test_product_of_the_dequantized_operands(spec, n, k, data_gradient, gather):
-    sizes, _, _, _, d, exact = _run(spec, n, k, data_gradient, gather)
-    assert exact <= EXACT_TOL, f"sizes={sizes[:8]}... error {exact:.2e}"
+    sizes, _, _, _, d, (exact, bar) = _run(spec, n, k, data_gradient, gather)
+    assert exact <= bar, f"sizes={sizes[:8]}... error {exact:.2e}, bar {bar:.2e}"
     assert bool(torch.isnan(d[sum(sizes):]).all()), "rows outside every group were written"
 
 
@@ -152,7 +158,7 @@ def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     d = torch.full((a.shape[0], 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), d, run_offsets,
                                                num_passes=2, ready_flags=flags)
-    assert relative_error(d, ref) <= EXACT_TOL
+    assert relative_error(d, ref) <= exact_bar(ref)
     d.fill_(float("nan"))
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), d, run_offsets,
                                                num_passes=2, pass_range=(1, 2))
@@ -160,7 +166,7 @@ def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     for run, (lo, hi) in enumerate(zip(run_offsets[:-1].tolist(), run_offsets[1:].tolist())):
         second[lo:hi] = run % 2 == 1
     assert bool(torch.isnan(d[~second]).all()) and not bool(torch.isnan(d[second]).any())
-    assert relative_error(d[second], ref[second]) <= EXACT_TOL
+    assert relative_error(d[second], ref[second]) <= exact_bar(ref[second])
 
 
 # Weight gradients: (group sizes, M, N).
@@ -198,7 +204,7 @@ def _run_k_grouped(spec, m, n, out_dtype, accumulate):
     deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets,
                                                accumulate=accumulate)
     torch.cuda.synchronize()
-    return sizes, relative_error(d, exact), relative_error(d, recipe)
+    return sizes, (relative_error(d, exact), exact_bar(exact, out_dtype)), relative_error(d, recipe)
 
 
 K_VARIANTS = [(dtype, accumulate) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)]
@@ -210,8 +216,8 @@ K_VARIANTS = [(dtype, accumulate) for dtype in (torch.float32, torch.bfloat16) f
 @pytest.mark.parametrize("spec,m,n", K_CASES)
 def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, out_dtype, accumulate):
     """Every group written (an empty one: zeros, or unchanged when accumulating)."""
-    sizes, exact, _ = _run_k_grouped(spec, m, n, out_dtype, accumulate)
-    assert exact <= EXACT_TOL, f"sizes={sizes[:8]}... error {exact:.2e}"
+    sizes, (exact, bar), _ = _run_k_grouped(spec, m, n, out_dtype, accumulate)
+    assert exact <= bar, f"sizes={sizes[:8]}... error {exact:.2e}, bar {bar:.2e}"
 
 
 def _columns(rows=300, width=256, sizes=(100, 200), device="cpu"):
@@ -296,13 +302,13 @@ if __name__ == "__main__":
         sys.exit("needs an sm_90 GPU")
     print(f"{'weight gradient case':<34} {'out':<14} {'rows':>6} {'exact err':>9} {'vs bf16 (ours)':>14}")
     for spec, m, n in K_CASES:
-        sizes, exact, recipe = _run_k_grouped(spec, m, n, torch.float32, False)
+        sizes, (exact, _), recipe = _run_k_grouped(spec, m, n, torch.float32, False)
         label = str(spec if isinstance(spec, str) else spec[:4]) + f" M={m} N={n}"
         print(f"{label:<34} {'fp32':<14} {sum(sizes):>6} {exact:>9.2e} {recipe:>14.2e}")
     print(f"{'case':<34} {'kind':<14} {'rows':>6} {'exact err':>9} {'vs bf16 (ours)':>14} {'torch rowwise':>13}")
     for spec, n, k in CASES:
         for data_gradient in (False, True):
-            sizes, a, b, offsets, d, exact = _run(spec, n, k, data_gradient)
+            sizes, a, b, offsets, d, (exact, _) = _run(spec, n, k, data_gradient)
             rows = sum(sizes)
             ref = _reference(a, b, sizes)
             ours = relative_error(d[:rows], ref) if rows else 0.0
