@@ -14,7 +14,8 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
+from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
+                     print_configs_enabled)
 from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, make_config, row_staging_bytes,
                      swizzled_staging_bytes)
 
@@ -29,28 +30,31 @@ _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 
 @functools.lru_cache(maxsize=None)
-def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
+def get_config(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = True) -> GemmConfig:
     """128 x 128 tiles; tensor stores, or row copies where a bf16 output accumulates (tensor
     reduce-adds serve fp32 here). An fp32 tile is 64 KB of stores: four staging buffers a
     warpgroup (a whole tile's half in flight while the next tile's MMAs run; 4 stages), two for
-    bf16 (its two 128-byte column chunks)."""
+    bf16 (its two 128-byte column chunks). fp32 outputs also share B's tile in 2-CTA clusters
+    (B multicast: a quarter less L2 traffic), unless `multicast_b` is False (fewer than two SMs)."""
     if accumulate and out_dtype != torch.float32:
         return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
-    buffers = 4 if out_dtype == torch.float32 else 2
-    return make_config(BLOCK_N, swizzled_staging_bytes(buffers), _SCALE_BYTES, store_buffers=buffers)
+    fp32 = out_dtype == torch.float32
+    buffers = 4 if fp32 else 2
+    return make_config(BLOCK_N, swizzled_staging_bytes(buffers), _SCALE_BYTES, store_buffers=buffers,
+                       multicast_b=fp32 and multicast_b)
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(out_dtype: torch.dtype, accumulate: bool) -> Kernel:
-    config = get_config(out_dtype, accumulate)
+def get_kernel(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = True) -> Kernel:
+    config = get_config(out_dtype, accumulate, multicast_b)
     out_type, output = _OUT_TYPES[out_dtype], f"deep_gemm::epilogue::Output::{'kAccumulate' if accumulate else 'kOverwrite'}"
     if config.row_copies:
         epilogue = f"deep_gemm::epilogue::RowCopies<{BLOCK_N}, {out_type}, {output}>"
     else:
         epilogue = f"deep_gemm::epilogue::TensorStores<{BLOCK_N}, {out_type}, {output}, {config.store_buffers}>"
-    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {epilogue}>"
+    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {config.cluster_size}, {epilogue}>"
     return build_kernel("sm90_fp8_k_grouped_gemm.cuh", "dg_sm90_fp8_k_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
-                        config.smem_bytes)
+                        config.smem_bytes, config.cluster_size)
 
 
 def all_kernels() -> list[tuple[torch.dtype, bool]]:
@@ -117,19 +121,21 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
             d.zero_()
         return
 
-    config = get_config(d.dtype, accumulate)
+    multicast_b = get_num_sms(device.index) >= 2
+    config = get_config(d.dtype, accumulate, multicast_b)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
         _printed.add(key)
         print(f"[deep_gemm] k_grouped_fp8_gemm_tn: M={m} N={n} rows={rows} G={num_groups} out={d.dtype} "
               f"accumulate={accumulate} -> {config.label}")
-    kernel = get_kernel(d.dtype, accumulate)
+    kernel = get_kernel(d.dtype, accumulate, multicast_b)
     params = PARAMS.pack(
         tensor_map_a=make_tma_2d_desc(a_data, m, rows, 128, BLOCK_M),
-        tensor_map_b=make_tma_2d_desc(b_data, n, rows, 128, BLOCK_N),
+        tensor_map_b=make_tma_2d_desc(b_data, n, rows, 128, BLOCK_N // config.cluster_size),
         tensor_map_d=bytes(128) if config.row_copies else make_tma_3d_desc(d, 128 // d.element_size(), 64),
         tensor_map_scales_a=make_tma_scales_desc(a_scales.T, BLOCK_M),
         tensor_map_scales_b=make_tma_scales_desc(b_scales.T, BLOCK_N),
         d=d.data_ptr(), group_offsets=padded_offsets.data_ptr(), m=m, n=n, rows=rows, num_groups=num_groups)
-    num_tiles = num_groups * (m // BLOCK_M) * (n // BLOCK_N)
+    tile_m = BLOCK_M * config.cluster_size  # a cluster's tile: its CTAs' M blocks together
+    num_tiles = num_groups * -(-m // tile_m) * (n // BLOCK_N)
     kernel.launch(params, grid_size(kernel, num_tiles, device.index), device.index)

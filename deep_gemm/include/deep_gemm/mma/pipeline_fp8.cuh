@@ -58,9 +58,10 @@ struct RowColumnScales {
 // and before any MMA reads it. kNumProductSets = 2 (BLOCK_N = 128 only) alternates two sets of
 // fresh products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores
 // have work queued while this warpgroup waits and promotes. With 1, each product is issued,
-// awaited and promoted in turn (64 registers fewer).
-template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem, typename Scales,
-          typename BeforeMMA>
+// awaited and promoted in turn (64 registers fewer). With kClusterSize > 1 a stage is released
+// in every CTA of the cluster (their producers multicast into this CTA's stages).
+template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, uint32_t kClusterSize = 1, typename Smem,
+          typename Scales, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma) {
@@ -100,8 +101,15 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         s.promote(part, *reinterpret_cast<float (*)[kProduct]>(acc + kCols * kProduct));
         if constexpr (kCols + 1 == kNumProducts) {
             __syncwarp();  // every lane's reads of the stage before lane 0 releases it
-            if (releases)
-                smem.empty(pipe.stage)->arrive();
+            if (releases) {
+                if constexpr (kClusterSize == 1) {
+                    smem.empty(pipe.stage)->arrive();
+                } else {  // (the cluster's producers multicast into this CTA's stage)
+                    #pragma unroll
+                    for (uint32_t cta = 0; cta < kClusterSize; ++cta)
+                        smem.empty(pipe.stage)->arrive_in_cta(cta);
+                }
+            }
             pipe.template advance<kNumStages>();
         }
     };
