@@ -10,6 +10,7 @@ from .gemm import (
     m_grouped_bf16_gemm_nt_contiguous,
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_swiglu_contiguous,
 )
 from .moe import bf16_mega_moe, fp8_mega_moe
 from .utils import get_num_sms, set_num_sms
@@ -46,5 +47,6 @@ __all__ = [
     "m_grouped_bf16_gemm_nt_swiglu_contiguous",
     "k_grouped_bf16_gemm_tn_contiguous",
     "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_swiglu_contiguous",
     "k_grouped_fp8_gemm_tn_contiguous",
 ]

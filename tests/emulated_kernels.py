@@ -22,6 +22,7 @@ PAIRS = [
     (deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous, emulate.m_grouped_gemm_nt_swiglu),
     (deep_gemm.k_grouped_bf16_gemm_tn_contiguous, emulate.k_grouped_gemm_tn),
     (deep_gemm.m_grouped_fp8_gemm_nt_contiguous, emulate.m_grouped_fp8_gemm_nt),
+    (deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous, emulate.m_grouped_fp8_gemm_nt_swiglu),
     (deep_gemm.k_grouped_fp8_gemm_tn_contiguous, emulate.k_grouped_fp8_gemm_tn),
     (kernels.moe_combine_bf16, emulate.moe_combine),
     (kernels.moe_gather_rows_bf16, emulate.moe_gather_rows),

@@ -145,6 +145,33 @@ def test_256_wide_tiles_equal_128_wide_ones_bit_for_bit(monkeypatch, gather):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+def test_swiglu_epilogue_writes_the_gemm_and_silu_gate_times_up(gather):
+    """h is the plain GEMM's output bit for bit; act = silu(gate) * up from the fp32 sums."""
+    sizes, inter, k = [0, 1, 127, 128, 129, 300, 0, 1000], 256, 512
+    a = torch.randn(sum(sizes) + 3, k, device="cuda", dtype=torch.bfloat16)
+    a_fp8 = fp8_quantize_rows(a)
+    w = fp8_quantize_weights((torch.randn(len(sizes), 2 * inter, k, device="cuda") / k**0.5).to(torch.bfloat16))
+    index = torch.randint(0, a.shape[0], (a.shape[0],), device="cuda") if gather else None
+    offsets, rows = offsets_from_sizes(sizes), sum(sizes)
+    plain = torch.full((a.shape[0], 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), plain, offsets,
+                                               a_row_index=index)
+    h, act = torch.full_like(plain, float("nan")), torch.full((a.shape[0], inter), float("nan"), device="cuda",
+                                                             dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), h, act, offsets,
+                                                      a_row_index=index)
+    assert torch.equal(h.view(torch.int16), plain.view(torch.int16))
+    assert bool(act[rows:].isnan().all()) and not bool(act[:rows].isnan().any())
+    a_deq = reference.dequantize_rows(a_fp8)
+    if gather:
+        a_deq = a_deq[index]
+    exact = _reference(a_deq, _dequantized_b((w.data, w.scales)), sizes)
+    ref_act = torch.nn.functional.silu(exact[:, :inter]) * exact[:, inter:]
+    assert relative_error(act[:rows], ref_act) <= exact_bar(ref_act)
+
+
+@requires_sm90
 def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     """5 groups x 2 passes; flags already set (nothing to wait for); then one pass per launch."""
     run_sizes = [0, 0, 1, 0, 60, 70, 30, 34, 0, 200]
@@ -335,3 +362,12 @@ if __name__ == "__main__":
             label = str(spec if isinstance(spec, str) else spec[:4]) + f" N={n} K={k}"
             print(f"{label:<34} {'dgrad' if data_gradient else 'fwd':<14} {rows:>6} {exact:>9.2e} {ours:>14.2e} "
                   f"{theirs:>13.2e}")
+
+
+def test_the_swiglu_gemm_needs_whole_gate_and_up_blocks():
+    a = (torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 4).T)
+    b = (torch.zeros(1, 384, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 3, 1))
+    h, act = torch.zeros(4, 384, dtype=torch.bfloat16), torch.zeros(4, 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pairs 128 gate with 128 up columns"):
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, b, h, act, torch.tensor([0, 4], dtype=torch.int32))
+

@@ -7,4 +7,4 @@ from .m_grouped_bf16 import (
     m_grouped_bf16_gemm_nt_swiglu_contiguous,
 )
 from .k_grouped_fp8 import k_grouped_fp8_gemm_tn_contiguous
-from .m_grouped_fp8 import m_grouped_fp8_gemm_nt_contiguous
+from .m_grouped_fp8 import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous

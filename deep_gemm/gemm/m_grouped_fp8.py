@@ -16,12 +16,13 @@ from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
 from ..utils import check_multiple, print_configs_enabled
 from .common import BLOCK_M, NUM_THREADS, fp8_operand, grid_size, make_config
-from .m_grouped_bf16 import BF16_STORE, MGroupedProblem, tensor_store_staging_bytes
+from .m_grouped_bf16 import BF16_STORE, SWIGLU_STORE, MGroupedProblem, tensor_store_staging_bytes
 
 BLOCK_K = 128  # one scale block of K a stage
 PARAMS = ParamsStruct("deep_gemm::MGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
-    ("tensor_map_scales_a", "tensor_map"), ("d", "ptr"), ("group_offsets", "ptr"), ("a_row_index", "ptr"), ("a", "ptr"),
+    ("tensor_map_scales_a", "tensor_map"), ("tensor_map_act", "tensor_map"), ("d", "ptr"), ("act", "ptr"),
+    ("group_offsets", "ptr"), ("a_row_index", "ptr"), ("a", "ptr"),
     ("a_scales", "ptr"), ("b_scales", "ptr"), ("ready_flags", "ptr"), ("m", "u32"), ("n", "u32"), ("k", "u32"),
     ("num_groups", "u32"), ("a_rows", "u32"), ("num_passes", "u32"), ("pass_begin", "u32"), ("pass_end", "u32"),
     ("a_scales_ld", "u32"), ("b_scales_stride_g", "u32"), ("b_scales_stride_n", "u32"), ("b_scales_stride_k", "u32")])
@@ -42,17 +43,19 @@ def get_config(n: int):
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(producer: str, block_n: int) -> Kernel:
+def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kernel:
+    """`epilogue`: BF16_STORE, or SWIGLU_STORE (256-wide tiles of 128 gate and 128 up columns)."""
     config = CONFIGS[block_n]
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
-                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{BF16_STORE}<{block_n}>>")
+                   f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{epilogue}<{block_n}>>")
     return build_kernel("sm90_fp8_m_grouped_gemm.cuh", "dg_sm90_fp8_m_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
                         config.smem_bytes)
 
 
-def all_kernels() -> list[tuple[str, int]]:
-    """(producer policy, tile width) of every variant (for `get_kernel`)."""
-    return [(producer, n) for producer in (FP8_TMA_ROWS, FP8_GATHERED_ROWS) for n in CONFIGS]
+def all_kernels() -> list[tuple[str, int, str]]:
+    """(producer policy, tile width, epilogue) of every variant (for `get_kernel`)."""
+    return ([(producer, n, BF16_STORE) for producer in (FP8_TMA_ROWS, FP8_GATHERED_ROWS) for n in CONFIGS] +
+            [(producer, 256, SWIGLU_STORE) for producer in (FP8_TMA_ROWS, FP8_GATHERED_ROWS)])
 
 
 def _check_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, a_rows: int, k: int, g: int, n: int) -> None:
@@ -107,32 +110,62 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
     Requires K and N multiples of 128 and 16-byte aligned tensors. Each 128-deep block of K is
     multiplied into fresh fp32 registers, then added to the sum times its A and B scales.
     """
+    _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_range)
+
+
+def m_grouped_fp8_gemm_nt_swiglu_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                                            h: torch.Tensor, act: torch.Tensor, group_offsets: torch.Tensor, *,
+                                            a_row_index: Optional[torch.Tensor] = None, num_passes: int = 1,
+                                            ready_flags: Optional[torch.Tensor] = None) -> None:
+    """The MoE's first GEMM in blockwise FP8 with SwiGLU in its epilogue: ``h = A @ B[g].T`` and
+    ``act = silu(h[:, :I]) * h[:, I:]`` (from the fp32 sums), both bf16, per group of rows.
+
+    Args:
+        a, group_offsets, a_row_index, num_passes, ready_flags: as in
+            `m_grouped_fp8_gemm_nt_contiguous`.
+        b: ``(data, scales)`` of ``[G, 2I, K]``: rows ``[0, I)`` gate, ``[I, 2I)`` up (the
+            weights' natural layout, as `fp8_quantize_weights` quantizes them).
+        h: ``[M, 2I]`` bf16 output; act: ``[M, I]`` bf16 output. Only rows inside a group are written.
+
+    Requires I and K multiples of 128. A tile holds 128 gate and the matching 128 up columns.
+    """
+    _launch(a, b, h, group_offsets, a_row_index, num_passes, ready_flags, None, act)
+
+
+def _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_range,
+            act: Optional[torch.Tensor] = None) -> None:
+    """Checks everything, then launches (with `act`: the SwiGLU epilogue, 256-wide tiles)."""
     (a_data, a_scales), (b_data, b_scales) = fp8_operand("a", a), fp8_operand("b", b)
     problem = MGroupedProblem.check_shapes(a_data, b_data, d, group_offsets, False, a_row_index, num_passes,
-                                           ready_flags, pass_range, operand_dtype=torch.float8_e4m3fn)
+                                           ready_flags, pass_range, act, operand_dtype=torch.float8_e4m3fn)
     check_multiple("K", problem.k, BLOCK_K)
     check_multiple("N", problem.n, 128)
     _check_scales(a_scales, b_scales, a_data.shape[0], problem.k, problem.num_groups, problem.n)
-    problem.check_devices(a_scales=a_scales, b_scales=b_scales)
+    problem.check_devices(a_scales=a_scales, b_scales=b_scales, act=act)
     if problem.empty:
         return
     p = problem
-    config = get_config(p.n)
-    if print_configs_enabled() and (p.m, p.n, p.k, p.num_groups) not in _printed:
-        _printed.add((p.m, p.n, p.k, p.num_groups))
-        print(f"[deep_gemm] m_grouped_fp8_gemm_nt: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {config.label}")
+    swiglu = act is not None
+    config = CONFIGS[256] if swiglu else get_config(p.n)
+    name = "nt_swiglu" if swiglu else "nt"
+    if print_configs_enabled() and (name, p.m, p.n, p.k, p.num_groups) not in _printed:
+        _printed.add((name, p.m, p.n, p.k, p.num_groups))
+        print(f"[deep_gemm] m_grouped_fp8_gemm_{name}: M={p.m} N={p.n} K={p.k} G={p.num_groups} -> {config.label}")
+    boxes = 2 if swiglu else 1  # the SwiGLU tile's gate and up rows of B
     params = PARAMS.pack(
         tensor_map_a=make_tma_2d_desc(a_data, a_data.shape[0], p.k, 128, BLOCK_M),  # (gathered rows: unused)
-        tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, config.block_n),
+        tensor_map_b=make_tma_2d_desc(b_data, p.num_groups * p.n, p.k, 128, config.block_n // boxes),
         tensor_map_d=make_tma_3d_desc(d.unsqueeze(0), 64, 64),
         tensor_map_scales_a=make_tma_scales_desc(a_scales, SCALE_BOX_ROWS),
-        d=d.data_ptr(), group_offsets=group_offsets.data_ptr(),
+        tensor_map_act=make_tma_3d_desc(act.unsqueeze(0), 64, 64) if swiglu else bytes(128),
+        d=d.data_ptr(), act=act.data_ptr() if swiglu else 0, group_offsets=group_offsets.data_ptr(),
         a_row_index=0 if a_row_index is None else a_row_index.data_ptr(), a=a_data.data_ptr(),
         a_scales=a_scales.data_ptr(), b_scales=b_scales.data_ptr(),
         ready_flags=0 if ready_flags is None else ready_flags.data_ptr(),
         m=p.m, n=p.n, k=p.k, num_groups=p.num_groups, a_rows=a_data.shape[0], num_passes=p.num_passes,
         pass_begin=p.pass_range[0], pass_end=p.pass_range[1], a_scales_ld=a_scales.stride(1),
         b_scales_stride_g=b_scales.stride(0), b_scales_stride_n=b_scales.stride(1), b_scales_stride_k=b_scales.stride(2))
-    kernel = get_kernel(FP8_TMA_ROWS if a_row_index is None else FP8_GATHERED_ROWS, config.block_n)
+    kernel = get_kernel(FP8_TMA_ROWS if a_row_index is None else FP8_GATHERED_ROWS, config.block_n,
+                        SWIGLU_STORE if swiglu else BF16_STORE)
     num_tiles_bound = (p.m // BLOCK_M + p.num_groups * p.num_passes) * (p.n // config.block_n)
     kernel.launch(params, grid_size(kernel, num_tiles_bound, p.device.index), p.device.index)

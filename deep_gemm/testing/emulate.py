@@ -63,6 +63,12 @@ def m_grouped_fp8_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passe
                pass_range)
 
 
+def m_grouped_fp8_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):
+    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous` on the dequantized operands."""
+    m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act, group_offsets,
+                             a_row_index=a_row_index, num_passes=num_passes)
+
+
 def k_grouped_fp8_gemm_tn(a, b, d, padded_offsets, *, accumulate: bool = False, **_):
     """Emulates `deep_gemm.k_grouped_fp8_gemm_tn_contiguous` on the dequantized columns."""
     a = _dequantized((a[0], a[1].T), (1,))  # [M, Mp]

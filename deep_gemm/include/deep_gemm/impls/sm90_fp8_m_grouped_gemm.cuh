@@ -18,10 +18,12 @@ namespace deep_gemm {
 
 struct alignas(128) MGroupedFp8GemmParams {
     CUtensorMap tensor_map_a;         // A [a_rows, K] e4m3; box {128 (K), 128 rows}
-    CUtensorMap tensor_map_b;         // B as [G * N, K] e4m3; box {128, BLOCK_N}
+    CUtensorMap tensor_map_b;         // B as [G * N, K] e4m3; box {128, BLOCK_N / Epilogue::Columns::kNumBoxes}
     CUtensorMap tensor_map_d;         // D as [1, M, N] bf16; box {64 (N), 64 rows, 1}
     CUtensorMap tensor_map_scales_a;  // A's scales as [K / 128][a_rows] fp32 (row stride a_scales_ld); box {132, 1}
+    CUtensorMap tensor_map_act;       // act as [1, M, N / 2] bf16, box {64, 64, 1} (epilogue::SwiGLUTensorStore)
     __nv_bfloat16* d;                 // [M, N]
+    __nv_bfloat16* act;               // [M, N / 2] (epilogue::SwiGLUTensorStore)
     const int* group_offsets;         // [G * num_passes + 1]
     const int64_t* a_row_index;       // [M] (producer::Fp8GatheredRows)
     const uint8_t* a;                 // the source rows [a_rows, K] (producer::Fp8GatheredRows)
@@ -43,7 +45,16 @@ struct Sm90FP8MGroupedGemm {
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
     static_assert(Epilogue::kStagingBytes % 1024 == 0, "each warpgroup's staging starts 1024-byte aligned");
-    static_assert(Epilogue::Columns::kNumBoxes == 1, "a tile's columns are contiguous");
+    // B's tile comes in boxes of rows (the Epilogue's Columns: one, or gate and up); each
+    // 128-column product lies in one box and has one B scale block.
+    using Columns = typename Epilogue::Columns;
+    static constexpr uint32_t kBoxRowsB = BLOCK_N / Columns::kNumBoxes;
+    static_assert(kBoxRowsB % 128 == 0, "a product's 128 B rows lie in one box");
+
+    // The first B row (of the group's N) of the tile's 128-column product `cols`.
+    __device__ __forceinline__ static uint32_t product_row(uint32_t cols, uint32_t n_begin, uint32_t n) {
+        return Columns::box_row(cols * 128 / kBoxRowsB, n_begin, n) + cols * 128 % kBoxRowsB;
+    }
 
     __device__ __forceinline__ static void run(const MGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -77,7 +88,10 @@ struct Sm90FP8MGroupedGemm {
                     const uint32_t k = k_block * BLOCK_K_FP8;
                     Producer::load(smem.a(stage), smem.scales(stage), p, rows, k, bar, t);
                     if (t == 0)
-                        ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.group * p.n + tile.n_begin);
+                        #pragma unroll
+                        for (uint32_t j = 0; j < Columns::kNumBoxes; ++j)
+                            ptx::tma_load_2d(smem.b(stage) + j * kBoxRowsB * kSwizzleBytes, &p.tensor_map_b, bar, k,
+                                             tile.group * p.n + Columns::box_row(j, tile.n_begin, p.n));
                 });
             }
         } else {
@@ -91,13 +105,14 @@ struct Sm90FP8MGroupedGemm {
                 const uint32_t row = wg * 64;
                 const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
                                                    tile.n_begin};
-                const float* b_scales = p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
-                                        (tile.n_begin / 128) * p.b_scales_stride_n;
                 zero_accum(acc);
                 consume_k_blocks_fp8<BLOCK_N, kNumStages, kNumProductSets>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t k_block, uint32_t cols) {
-                        const float b = __ldg(b_scales + cols * p.b_scales_stride_n + k_block * p.b_scales_stride_k);
+                        // (the B scale's address made here, not kept across the tile: registers are short)
+                        const float b = __ldg(p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
+                                              product_row(cols, tile.n_begin, p.n) / 128 * p.b_scales_stride_n +
+                                              k_block * p.b_scales_stride_k);
                         const float* a = smem.scales(stage) + Producer::scale_offset(tile.row_begin) + scale_row;
                         return RowScales{{a[0] * b, a[8] * b}};
                     },
