@@ -227,12 +227,12 @@ def test_weight_gradient_in_clusters_equals_one_cta_alone(monkeypatch):
     import deep_gemm.utils
     sizes = [0, 1, 127, 128, 129, 300, 0, 1000]
     offsets = offsets_from_sizes(sizes)
-    _, a = fp8_quantize_columns(torch.randn(sum(sizes), 384, device="cuda", dtype=torch.bfloat16), offsets)
+    _, a = fp8_quantize_columns(torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16), offsets)
     _, b = fp8_quantize_columns(torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16), offsets)
     outs = []
-    for num_sms in (None, 1):
+    for num_sms in (None, 1):  # (M = 512: an even number of 128-row blocks, which clusters take)
         monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
-        d = torch.full((len(sizes), 384, 256), float("nan"), device="cuda")
+        d = torch.full((len(sizes), 512, 256), float("nan"), device="cuda")
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
         outs.append(d)
     assert torch.equal(outs[0], outs[1])
