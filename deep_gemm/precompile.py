@@ -45,18 +45,11 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
                 if label not in seen:  # bf16 accumulation runs one row-copy variant per tile width
                     seen.add(label)
                     out.append((label, functools.partial(k_grouped_bf16.get_kernel, config, dtype, accumulate)))
-<<<<<<< HEAD
     out += [(f"m_grouped_fp8_nt_{m_grouped_fp8.CONFIGS[n].label}{'' if producer == m_grouped_fp8.FP8_TMA_ROWS else '_gathered'}",
              functools.partial(m_grouped_fp8.get_kernel, producer, n)) for producer, n in m_grouped_fp8.all_kernels()]
-    out += [(f"k_grouped_fp8_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
-             functools.partial(k_grouped_fp8.get_kernel, dtype, accumulate)) for dtype, accumulate in k_grouped_fp8.all_kernels()]
-=======
-    out += [(f"m_grouped_fp8_nt_{m_grouped_fp8.CONFIG.label}{'' if producer == m_grouped_fp8.FP8_TMA_ROWS else '_gathered'}",
-             functools.partial(m_grouped_fp8.get_kernel, producer)) for producer in m_grouped_fp8.all_kernels()]
     out += [(f"k_grouped_fp8_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}{'_mc' if multicast else ''}",
              functools.partial(k_grouped_fp8.get_kernel, dtype, accumulate, multicast))
             for dtype, accumulate, multicast in k_grouped_fp8.all_kernels()]
->>>>>>> fp8-wgrad-mc
     out += [(name, functools.partial(moe_kernels.get_kernel, name)) for name in moe_kernels.all_kernels()]
     out += [(f"fp8_quantize_{name}{'_pow2' if pow2 else ''}", functools.partial(quant_kernels.get_kernel, name, pow2))
             for name, pow2 in quant_kernels.all_kernels()]
