@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, get_num_sms, fp8_quantize_columns, fp8_weights,
+from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns, fp8_weights,
                        k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
                        m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8, m_grouped_fp8_gemm_nt_contiguous,
                        moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16, quant_kernels)
@@ -199,7 +199,7 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     for n in (grads.dl2.shape[2], grads.dl1.shape[2]):  # dA's N is I, dx's H
         m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
-        k_grouped_fp8.get_kernel(grad.dtype, accumulate, get_num_sms(grad.device.index) >= 2)
+        k_grouped_fp8.get_kernel(grad.dtype, accumulate, k_grouped_fp8.multicasts(grad.shape[1], grad.device.index))
     quant_kernels.get_kernel("activations", False)
     for name in ("moe_swiglu_bwd", "moe_combine"):
         kernels.get_kernel(name)

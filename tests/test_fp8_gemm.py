@@ -254,12 +254,12 @@ def test_weight_gradient_in_clusters_equals_one_cta_alone(monkeypatch):
     import deep_gemm.utils
     sizes = [0, 1, 127, 128, 129, 300, 0, 1000]
     offsets = offsets_from_sizes(sizes)
-    _, a = fp8_quantize_columns(torch.randn(sum(sizes), 384, device="cuda", dtype=torch.bfloat16), offsets)
+    _, a = fp8_quantize_columns(torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16), offsets)
     _, b = fp8_quantize_columns(torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16), offsets)
     outs = []
-    for num_sms in (None, 1):
+    for num_sms in (None, 1):  # (M = 512: an even number of 128-row blocks, which clusters take)
         monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
-        d = torch.full((len(sizes), 384, 256), float("nan"), device="cuda")
+        d = torch.full((len(sizes), 512, 256), float("nan"), device="cuda")
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
         outs.append(d)
     assert torch.equal(outs[0], outs[1])
@@ -342,6 +342,14 @@ def test_cpu_tensors_are_refused_last():
         _bad()
 
 
+def test_the_swiglu_gemm_needs_whole_gate_and_up_blocks():
+    a = (torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 4).T)
+    b = (torch.zeros(1, 384, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 3, 1))
+    h, act = torch.zeros(4, 384, dtype=torch.bfloat16), torch.zeros(4, 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pairs 128 gate with 128 up columns"):
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, b, h, act, torch.tensor([0, 4], dtype=torch.int32))
+
+
 if __name__ == "__main__":
     if not HAS_SM90:
         sys.exit("needs an sm_90 GPU")
@@ -362,12 +370,3 @@ if __name__ == "__main__":
             label = str(spec if isinstance(spec, str) else spec[:4]) + f" N={n} K={k}"
             print(f"{label:<34} {'dgrad' if data_gradient else 'fwd':<14} {rows:>6} {exact:>9.2e} {ours:>14.2e} "
                   f"{theirs:>13.2e}")
-
-
-def test_the_swiglu_gemm_needs_whole_gate_and_up_blocks():
-    a = (torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 4).T)
-    b = (torch.zeros(1, 384, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 3, 1))
-    h, act = torch.zeros(4, 384, dtype=torch.bfloat16), torch.zeros(4, 192, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="pairs 128 gate with 128 up columns"):
-        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, b, h, act, torch.tensor([0, 4], dtype=torch.int32))
-

@@ -35,7 +35,7 @@ def get_config(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = Tru
     reduce-adds serve fp32 here). An fp32 tile is 64 KB of stores: four staging buffers a
     warpgroup (a whole tile's half in flight while the next tile's MMAs run; 4 stages), two for
     bf16 (its two 128-byte column chunks). fp32 outputs also share B's tile in 2-CTA clusters
-    (B multicast: a quarter less L2 traffic), unless `multicast_b` is False (fewer than two SMs)."""
+    (B multicast: a quarter less L2 traffic) if `multicast_b` (`multicasts`)."""
     if accumulate and out_dtype != torch.float32:
         return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
     fp32 = out_dtype == torch.float32
@@ -57,9 +57,17 @@ def get_kernel(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = Tru
                         config.smem_bytes, config.cluster_size)
 
 
-def all_kernels() -> list[tuple[torch.dtype, bool]]:
-    """(output dtype, accumulate) of every variant (for `get_kernel`)."""
-    return [(dtype, accumulate) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)]
+def multicasts(m: int, device: int) -> bool:
+    """Whether an fp32 output of M rows shares B in clusters: when two SMs are allowed and M
+    splits into an even number of 128-row blocks (else a cluster's second block of the last
+    pair would compute nothing but zeros)."""
+    return get_num_sms(device) >= 2 and m // BLOCK_M % 2 == 0
+
+
+def all_kernels() -> list[tuple[torch.dtype, bool, bool]]:
+    """(output dtype, accumulate, B multicast) of every variant (for `get_kernel`)."""
+    return [(dtype, accumulate, multicast) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)
+            for multicast in ((True, False) if dtype == torch.float32 else (False,))]
 
 
 def _check_operand(name: str, data: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
@@ -121,7 +129,7 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
             d.zero_()
         return
 
-    multicast_b = get_num_sms(device.index) >= 2
+    multicast_b = multicasts(m, device.index)
     config = get_config(d.dtype, accumulate, multicast_b)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
