@@ -15,8 +15,8 @@ from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
 from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
-from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, make_config, row_staging_bytes,
-                     swizzled_staging_bytes)
+from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, k_grouped_epilogue, make_config,
+                     row_staging_bytes, swizzled_staging_bytes)
 
 BLOCK_K = 128  # tokens a stage: one scale block
 BLOCK_N = 128
@@ -24,7 +24,6 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
     ("tensor_map_scales_a", "tensor_map"), ("tensor_map_scales_b", "tensor_map"), ("d", "ptr"),
     ("group_offsets", "ptr"), ("m", "u32"), ("n", "u32"), ("rows", "u32"), ("num_groups", "u32")])
-_OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 
@@ -40,11 +39,7 @@ def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
 @functools.lru_cache(maxsize=None)
 def get_kernel(out_dtype: torch.dtype, accumulate: bool) -> Kernel:
     config = get_config(out_dtype, accumulate)
-    out_type, output = _OUT_TYPES[out_dtype], f"deep_gemm::epilogue::Output::{'kAccumulate' if accumulate else 'kOverwrite'}"
-    if config.row_copies:
-        epilogue = f"deep_gemm::epilogue::RowCopies<{BLOCK_N}, {out_type}, {output}>"
-    else:
-        epilogue = f"deep_gemm::epilogue::TensorStores<{BLOCK_N}, {out_type}, {output}, {config.store_buffers}>"
+    epilogue = k_grouped_epilogue(config, out_dtype, accumulate)
     kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {epilogue}>"
     return build_kernel("sm90_fp8_k_grouped_gemm.cuh", "dg_sm90_fp8_k_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
                         config.smem_bytes)

@@ -72,8 +72,7 @@ struct Sm90FP8KGroupedGemm {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = threadIdx.x / 128;
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            // This thread's first accumulator row inside the tile (mma/wgmma_fp8.cuh).
-            const uint32_t scale_row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+            const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
             while (scheduler.next(tile)) {
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;

@@ -17,6 +17,12 @@ constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads / 32;  // every math war
 // accumulator layout is mma/wgmma_fp8.cuh's: accumulator i is in row lane / 4 + 8 * ((i / 2) % 2)
 // of its warp's 16 and column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
 
+// A math thread's first accumulator row inside the 128-row tile (the second is 8 below): its
+// warpgroup's 64 rows, its warp's 16 of them, lane / 4.
+__device__ __forceinline__ uint32_t accumulator_row() {
+    return threadIdx.x / 128 * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+}
+
 // One scale per row (A's per row, times the tile's one B scale): the forward and data gradient.
 struct RowScales {
     float row[2];
