@@ -49,9 +49,8 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
              f"{'' if producer == m_grouped_fp8.FP8_TMA_ROWS else '_gathered'}",
              functools.partial(m_grouped_fp8.get_kernel, producer, n, epilogue))
             for producer, n, epilogue in m_grouped_fp8.all_kernels()]
-    out += [(f"k_grouped_fp8_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}{'_mc' if multicast else ''}",
-             functools.partial(k_grouped_fp8.get_kernel, dtype, accumulate, multicast))
-            for dtype, accumulate, multicast in k_grouped_fp8.all_kernels()]
+    out += [(f"k_grouped_fp8_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
+             functools.partial(k_grouped_fp8.get_kernel, dtype, accumulate)) for dtype, accumulate in k_grouped_fp8.all_kernels()]
     out += [(name, functools.partial(moe_kernels.get_kernel, name)) for name in moe_kernels.all_kernels()]
     out += [(f"fp8_quantize_{name}{'_pow2' if pow2 else ''}", functools.partial(quant_kernels.get_kernel, name, pow2))
             for name, pow2 in quant_kernels.all_kernels()]

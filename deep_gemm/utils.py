@@ -11,7 +11,8 @@ _num_sms: Optional[int] = None
 
 
 @functools.lru_cache(maxsize=None)
-def _device_num_sms(device: int) -> int:
+def device_num_sms(device: int) -> int:
+    """The device's SM count (`get_num_sms` applies the cap of `set_num_sms`)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -25,7 +26,7 @@ def set_num_sms(num_sms: int) -> None:
 
 def get_num_sms(device: Optional[int] = None) -> int:
     """SMs the kernels use: the device's count, or the cap from `set_num_sms` if lower."""
-    total = _device_num_sms(torch.cuda.current_device() if device is None else device)
+    total = device_num_sms(torch.cuda.current_device() if device is None else device)
     return total if _num_sms is None else min(_num_sms, total)
 
 

@@ -199,7 +199,7 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     for n in (grads.dl2.shape[2], grads.dl1.shape[2]):  # dA's N is I, dx's H
         m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
-        k_grouped_fp8.get_kernel(grad.dtype, accumulate, k_grouped_fp8.multicasts(grad.shape[1], grad.device.index))
+        k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
     for name in ("moe_swiglu_bwd", "moe_combine"):
         kernels.get_kernel(name)

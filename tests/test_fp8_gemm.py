@@ -247,24 +247,6 @@ def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, o
     assert exact <= bar, f"sizes={sizes[:8]}... error {exact:.2e}, bar {bar:.2e}"
 
 
-@requires_sm90
-def test_weight_gradient_in_clusters_equals_one_cta_alone(monkeypatch):
-    """fp32 outputs share B's tile in 2-CTA clusters; with one SM allowed they cannot, and the
-    single-CTA kernel gives the same bits (the same sums in the same order)."""
-    import deep_gemm.utils
-    sizes = [0, 1, 127, 128, 129, 300, 0, 1000]
-    offsets = offsets_from_sizes(sizes)
-    _, a = fp8_quantize_columns(torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16), offsets)
-    _, b = fp8_quantize_columns(torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16), offsets)
-    outs = []
-    for num_sms in (None, 1):  # (M = 512: an even number of 128-row blocks, which clusters take)
-        monkeypatch.setattr(deep_gemm.utils, "_num_sms", num_sms)
-        d = torch.full((len(sizes), 512, 256), float("nan"), device="cuda")
-        deep_gemm.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
-        outs.append(d)
-    assert torch.equal(outs[0], outs[1])
-
-
 def _columns(rows=300, width=256, sizes=(100, 200), device="cpu"):
     offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=device)
     _, c = fp8_quantize_columns(torch.randn(rows, width, dtype=torch.bfloat16, device=device), offsets)

@@ -23,7 +23,7 @@ from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
 from emulated_kernels import PAIRS, patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, mega_moe, mega_moe_backward  # noqa: E402
-from megamoe_bwd.accuracy import accuracy  # noqa: E402
+from megamoe_bwd.testing import accuracy  # noqa: E402
 from megamoe_bwd.reference import make_moe_inputs, reference_backward, reference_forward, relative_error  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)

@@ -15,7 +15,7 @@ import torch
 
 import deep_gemm
 import megamoe_bwd
-from megamoe_bwd.accuracy import accuracy
+from megamoe_bwd.testing import accuracy
 from megamoe_bwd.ep import launch
 
 CASES = [  # (label, T, H, I, E, K, routing, empty-slot fraction)

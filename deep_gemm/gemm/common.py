@@ -83,6 +83,18 @@ def row_staging_bytes(block_n: int, elem_bytes: int) -> int:
     return 64 * (min(block_n * elem_bytes, 256) + 16)
 
 
+_OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
+
+
+def k_grouped_epilogue(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) -> str:
+    """The k-grouped GEMMs' epilogue policy (epilogue/k_grouped.cuh) for `config`: row copies or
+    tensor stores, written over D or added to it."""
+    out_type, output = _OUT_TYPES[out_dtype], f"deep_gemm::epilogue::Output::{'kAccumulate' if accumulate else 'kOverwrite'}"
+    if config.row_copies:
+        return f"deep_gemm::epilogue::RowCopies<{config.block_n}, {out_type}, {output}>"
+    return f"deep_gemm::epilogue::TensorStores<{config.block_n}, {out_type}, {output}, {config.store_buffers}>"
+
+
 def grid_size(kernel: Kernel, num_tiles: int, device: int) -> int:
     """CTAs to launch for `num_tiles` tiles (counted per cluster): one per SM at most, in whole
     clusters, no more clusters than are resident at once (a cluster lives in one GPC)."""

@@ -18,13 +18,13 @@ from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc
 from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
                      print_configs_enabled)
-from .common import BLOCK_K, BLOCK_M, NUM_THREADS, GemmConfig, grid_size, make_config, row_staging_bytes, swizzled_staging_bytes
+from .common import (BLOCK_K, BLOCK_M, NUM_THREADS, GemmConfig, grid_size, k_grouped_epilogue, make_config,
+                     row_staging_bytes, swizzled_staging_bytes)
 
 PARAMS = ParamsStruct("deep_gemm::KGroupedGemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"), ("d", "ptr"),
     ("group_offsets", "ptr"), ("m", "u32"), ("n", "u32"), ("rows", "u32"), ("num_groups", "u32")])
 
-_OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 
 
 def _num_chunks(block_n: int, out_dtype: torch.dtype) -> int:
@@ -71,11 +71,7 @@ def kernel_config(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) 
 @functools.lru_cache(maxsize=None)
 def get_kernel(config: GemmConfig, out_dtype: torch.dtype, accumulate: bool) -> Kernel:
     config = kernel_config(config, out_dtype, accumulate)
-    out_type, output = _OUT_TYPES[out_dtype], f"deep_gemm::epilogue::Output::{'kAccumulate' if accumulate else 'kOverwrite'}"
-    if config.row_copies:
-        epilogue = f"deep_gemm::epilogue::RowCopies<{config.block_n}, {out_type}, {output}>"
-    else:
-        epilogue = f"deep_gemm::epilogue::TensorStores<{config.block_n}, {out_type}, {output}, {config.store_buffers}>"
+    epilogue = k_grouped_epilogue(config, out_dtype, accumulate)
     kernel_type = f"deep_gemm::Sm90BF16KGroupedGemm<{config.block_n}, {config.num_stages}, {config.cluster_size}, {epilogue}>"
     return build_kernel("sm90_bf16_k_grouped_gemm.cuh", "dg_sm90_bf16_k_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
                         config.smem_bytes, config.cluster_size)

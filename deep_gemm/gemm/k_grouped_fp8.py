@@ -14,10 +14,9 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
-from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
-                     print_configs_enabled)
-from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, make_config, row_staging_bytes,
-                     swizzled_staging_bytes)
+from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
+from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, k_grouped_epilogue, make_config,
+                     row_staging_bytes, swizzled_staging_bytes)
 
 BLOCK_K = 128  # tokens a stage: one scale block
 BLOCK_N = 128
@@ -25,49 +24,30 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
     ("tensor_map_scales_a", "tensor_map"), ("tensor_map_scales_b", "tensor_map"), ("d", "ptr"),
     ("group_offsets", "ptr"), ("m", "u32"), ("n", "u32"), ("rows", "u32"), ("num_groups", "u32")])
-_OUT_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16"}
 _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 
 @functools.lru_cache(maxsize=None)
-def get_config(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = True) -> GemmConfig:
-    """128 x 128 tiles; tensor stores, or row copies where a bf16 output accumulates (tensor
-    reduce-adds serve fp32 here). An fp32 tile is 64 KB of stores: four staging buffers a
-    warpgroup (a whole tile's half in flight while the next tile's MMAs run; 4 stages), two for
-    bf16 (its two 128-byte column chunks). fp32 outputs also share B's tile in 2-CTA clusters
-    (B multicast: a quarter less L2 traffic) if `multicast_b` (`multicasts`)."""
+def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
+    """128 x 128 tiles; tensor stores through two staging buffers, or row copies where a bf16
+    output accumulates (tensor reduce-adds serve fp32 here)."""
     if accumulate and out_dtype != torch.float32:
         return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
-    fp32 = out_dtype == torch.float32
-    buffers = 4 if fp32 else 2
-    return make_config(BLOCK_N, swizzled_staging_bytes(buffers), _SCALE_BYTES, store_buffers=buffers,
-                       multicast_b=fp32 and multicast_b)
+    return make_config(BLOCK_N, swizzled_staging_bytes(2), _SCALE_BYTES)
 
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(out_dtype: torch.dtype, accumulate: bool, multicast_b: bool = True) -> Kernel:
-    config = get_config(out_dtype, accumulate, multicast_b)
-    out_type, output = _OUT_TYPES[out_dtype], f"deep_gemm::epilogue::Output::{'kAccumulate' if accumulate else 'kOverwrite'}"
-    if config.row_copies:
-        epilogue = f"deep_gemm::epilogue::RowCopies<{BLOCK_N}, {out_type}, {output}>"
-    else:
-        epilogue = f"deep_gemm::epilogue::TensorStores<{BLOCK_N}, {out_type}, {output}, {config.store_buffers}>"
-    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {config.cluster_size}, {epilogue}>"
+def get_kernel(out_dtype: torch.dtype, accumulate: bool) -> Kernel:
+    config = get_config(out_dtype, accumulate)
+    epilogue = k_grouped_epilogue(config, out_dtype, accumulate)
+    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {epilogue}>"
     return build_kernel("sm90_fp8_k_grouped_gemm.cuh", "dg_sm90_fp8_k_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
-                        config.smem_bytes, config.cluster_size)
+                        config.smem_bytes)
 
 
-def multicasts(m: int, device: int) -> bool:
-    """Whether an fp32 output of M rows shares B in clusters: when two SMs are allowed and M
-    splits into an even number of 128-row blocks (else a cluster's second block of the last
-    pair would compute nothing but zeros)."""
-    return get_num_sms(device) >= 2 and m // BLOCK_M % 2 == 0
-
-
-def all_kernels() -> list[tuple[torch.dtype, bool, bool]]:
-    """(output dtype, accumulate, B multicast) of every variant (for `get_kernel`)."""
-    return [(dtype, accumulate, multicast) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)
-            for multicast in ((True, False) if dtype == torch.float32 else (False,))]
+def all_kernels() -> list[tuple[torch.dtype, bool]]:
+    """(output dtype, accumulate) of every variant (for `get_kernel`)."""
+    return [(dtype, accumulate) for dtype in (torch.float32, torch.bfloat16) for accumulate in (False, True)]
 
 
 def _check_operand(name: str, data: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
@@ -129,21 +109,19 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
             d.zero_()
         return
 
-    multicast_b = multicasts(m, device.index)
-    config = get_config(d.dtype, accumulate, multicast_b)
+    config = get_config(d.dtype, accumulate)
     key = (m, n, rows, num_groups, d.dtype, accumulate)
     if print_configs_enabled() and key not in _printed:
         _printed.add(key)
         print(f"[deep_gemm] k_grouped_fp8_gemm_tn: M={m} N={n} rows={rows} G={num_groups} out={d.dtype} "
               f"accumulate={accumulate} -> {config.label}")
-    kernel = get_kernel(d.dtype, accumulate, multicast_b)
+    kernel = get_kernel(d.dtype, accumulate)
     params = PARAMS.pack(
         tensor_map_a=make_tma_2d_desc(a_data, m, rows, 128, BLOCK_M),
-        tensor_map_b=make_tma_2d_desc(b_data, n, rows, 128, BLOCK_N // config.cluster_size),
+        tensor_map_b=make_tma_2d_desc(b_data, n, rows, 128, BLOCK_N),
         tensor_map_d=bytes(128) if config.row_copies else make_tma_3d_desc(d, 128 // d.element_size(), 64),
         tensor_map_scales_a=make_tma_scales_desc(a_scales.T, BLOCK_M),
         tensor_map_scales_b=make_tma_scales_desc(b_scales.T, BLOCK_N),
         d=d.data_ptr(), group_offsets=padded_offsets.data_ptr(), m=m, n=n, rows=rows, num_groups=num_groups)
-    tile_m = BLOCK_M * config.cluster_size  # a cluster's tile: its CTAs' M blocks together
-    num_tiles = num_groups * -(-m // tile_m) * (n // BLOCK_N)
+    num_tiles = num_groups * (m // BLOCK_M) * (n // BLOCK_N)
     kernel.launch(params, grid_size(kernel, num_tiles, device.index), device.index)

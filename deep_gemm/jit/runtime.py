@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from cuda.bindings import driver as cu
 
+from ..utils import device_num_sms
 from .compiler import compile_cubin
 from .params import ParamsStruct
 
@@ -132,7 +133,7 @@ class Kernel:
                 if self.cluster_size == 1:  # (the cluster query answers 1 for launches without clusters)
                     per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                         self._function(device), self.num_threads, self.smem_bytes))
-                    count = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+                    count = per_sm * device_num_sms(device)
                 else:
                     config = self._config(device, self.cluster_size)
                     count = self.cluster_size * check(cu.cuOccupancyMaxActiveClusters(self._function(device), config))

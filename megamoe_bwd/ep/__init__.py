@@ -9,7 +9,7 @@ e // E_local), tokens exchanged between ranks. Every path runs the single-GPU la
     deepep.py     ep_mega_moe_deep_ep: the layer over DeepEP's dispatch and combine (optional)
     alltoall.py   dispatch / combine over all_to_all_single, shared by:
     nccl.py       ep_mega_moe_nccl: our layer between them
-    baseline.py   all_to_all_moe: the TorchTitan-style baseline (torch._grouped_mm)
+    baseline.py   all_to_all_moe: the TorchTitan-style baseline
 """
 from .baseline import all_to_all_moe
 from .deepep import ep_mega_moe_deep_ep, make_deep_ep_buffer

@@ -7,9 +7,6 @@
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
 // kernel's; the mainloop promotes every 128-token block with its row and column scales
 // (mma/pipeline_fp8.cuh). Every operand, scales included, comes by TMA from one producer thread.
-// With kClusterSize = 2 the CTAs of a cluster take two M blocks at the same N block and each
-// loads half of B's tile (64 of its rows) for both (TMA multicast inside the cluster), as in
-// the bf16 kernel; each loads its own scales.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -21,7 +18,7 @@ namespace deep_gemm {
 
 struct alignas(128) KGroupedFp8GemmParams {
     CUtensorMap tensor_map_a;         // A [M, rows] e4m3; box {128 (tokens), 128 (M)}
-    CUtensorMap tensor_map_b;         // B [N, rows] e4m3; box {128, BLOCK_N / kClusterSize}
+    CUtensorMap tensor_map_b;         // B [N, rows] e4m3; box {128, BLOCK_N}
     CUtensorMap tensor_map_d;         // D [G, M, N]; box {128 bytes of N, 64 (M), 1} (epilogue::TensorStores)
     CUtensorMap tensor_map_scales_a;  // A's scales [rows / 128][M] fp32; box {128, 1}
     CUtensorMap tensor_map_scales_b;  // B's scales [rows / 128][N] fp32; box {BLOCK_N, 1}
@@ -30,11 +27,9 @@ struct alignas(128) KGroupedFp8GemmParams {
     uint32_t m, n, rows, num_groups;
 };
 
-template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kClusterSize, typename Epilogue>
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
-    static_assert(kClusterSize == 1 or kClusterSize == 2, "B is shared by at most two CTAs");
-    static constexpr uint32_t kBoxRowsB = BLOCK_N / kClusterSize;
     static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
@@ -42,12 +37,11 @@ struct Sm90FP8KGroupedGemm {
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
-        using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N, kClusterSize>;
+        using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
         extern __shared__ __align__(1024) uint8_t smem_buffer[];
         const Smem smem{smem_buffer};
 
-        start_gemm<0, kClusterSize, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
-        const uint32_t cta_rank = kClusterSize > 1 ? ptx::cluster_cta_rank() : 0;
+        start_gemm<0, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
         if (threadIdx.x == 0)
             Epilogue::prefetch(p);
 
@@ -57,10 +51,8 @@ struct Sm90FP8KGroupedGemm {
 
         if (threadIdx.x >= kNumMathThreads) {
             ptx::warpgroup_reg_dealloc<kProducerRegs>();
-            if (threadIdx.x != kNumMathThreads) {  // idle, but present for the cluster's last sync
-                finish_gemm<kClusterSize>();
+            if (threadIdx.x != kNumMathThreads)
                 return;
-            }
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
             while (scheduler.next(tile)) {
@@ -70,12 +62,7 @@ struct Sm90FP8KGroupedGemm {
                 produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
-                    if constexpr (kClusterSize > 1) {  // this CTA's half of B, into both CTAs' stages
-                        ptx::tma_load_2d_multicast(smem.b(stage) + cta_rank * kBoxRowsB * kSwizzleBytes, &p.tensor_map_b,
-                                                   bar, k, tile.n_begin + cta_rank * kBoxRowsB, 0b11);
-                    } else {
-                        ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
-                    }
+                    ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
                     ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
                     ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin,
                                      k / BLOCK_K_FP8);
@@ -85,15 +72,14 @@ struct Sm90FP8KGroupedGemm {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = threadIdx.x / 128;
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            // This thread's first accumulator row inside the tile (mma/wgmma_fp8.cuh).
-            const uint32_t scale_row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+            const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
             while (scheduler.next(tile)) {
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
                 if (Epilogue::kAccumulates and num_k_blocks == 0)
                     continue;  // an empty group adds nothing
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages, 1, kClusterSize>(
+                consume_k_blocks_fp8<BLOCK_N, kNumStages, 1>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t, uint32_t) {
                         const float* rows = smem.scales(stage) + scale_row;
@@ -104,7 +90,6 @@ struct Sm90FP8KGroupedGemm {
             }
             Epilogue::drain();
         }
-        finish_gemm<kClusterSize>();
     }
 };
 

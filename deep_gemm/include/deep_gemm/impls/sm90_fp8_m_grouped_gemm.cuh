@@ -98,8 +98,7 @@ struct Sm90FP8MGroupedGemm {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = threadIdx.x / 128;
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            // This thread's two accumulator rows inside the tile (mma/wgmma_fp8.cuh).
-            const uint32_t scale_row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+            const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
             while (scheduler.next(tile)) {
                 const uint32_t row = wg * 64;

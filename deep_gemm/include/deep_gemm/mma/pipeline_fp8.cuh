@@ -17,6 +17,12 @@ constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads / 32;  // every math war
 // accumulator layout is mma/wgmma_fp8.cuh's: accumulator i is in row lane / 4 + 8 * ((i / 2) % 2)
 // of its warp's 16 and column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
 
+// A math thread's first accumulator row inside the 128-row tile (the second is 8 below): its
+// warpgroup's 64 rows, its warp's 16 of them, lane / 4.
+__device__ __forceinline__ uint32_t accumulator_row() {
+    return threadIdx.x / 128 * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
+}
+
 // One scale per row (A's per row, times the tile's one B scale): the forward and data gradient.
 struct RowScales {
     float row[2];
@@ -58,10 +64,9 @@ struct RowColumnScales {
 // and before any MMA reads it. kNumProductSets = 2 (BLOCK_N = 128 only) alternates two sets of
 // fresh products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores
 // have work queued while this warpgroup waits and promotes. With 1, each product is issued,
-// awaited and promoted in turn (64 registers fewer). With kClusterSize > 1 a stage is released
-// in every CTA of the cluster (their producers multicast into this CTA's stages).
-template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, uint32_t kClusterSize = 1, typename Smem,
-          typename Scales, typename BeforeMMA>
+// awaited and promoted in turn (64 registers fewer).
+template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem, typename Scales,
+          typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma) {
@@ -101,15 +106,8 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         s.promote(part, *reinterpret_cast<float (*)[kProduct]>(acc + kCols * kProduct));
         if constexpr (kCols + 1 == kNumProducts) {
             __syncwarp();  // every lane's reads of the stage before lane 0 releases it
-            if (releases) {
-                if constexpr (kClusterSize == 1) {
-                    smem.empty(pipe.stage)->arrive();
-                } else {  // (the cluster's producers multicast into this CTA's stage)
-                    #pragma unroll
-                    for (uint32_t cta = 0; cta < kClusterSize; ++cta)
-                        smem.empty(pipe.stage)->arrive_in_cta(cta);
-                }
-            }
+            if (releases)
+                smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
         }
     };

@@ -1,5 +1,6 @@
-"""The accuracy bar (docs/DESIGN.md, "Accuracy bar") as a function: a layer's relative errors
-against the float64 reference, next to the bf16 `torch._grouped_mm` MoE's on the same inputs."""
+"""Test support: the accuracy bar (docs/DESIGN.md, "Accuracy bar") as a function, a layer's
+relative errors against the float64 reference next to the baseline MoE's (megamoe_bwd.baseline)
+on the same inputs."""
 from __future__ import annotations
 
 from typing import Callable
