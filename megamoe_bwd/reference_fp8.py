@@ -1,7 +1,7 @@
 """Plain-PyTorch reference of the FP8 layer's recipe (docs/DESIGN.md, "The FP8 layer"): the
 spec's math (`megamoe_bwd.reference`) on the values the recipe quantizes, dequantized, in
 float32. The FP8 layer's outputs are judged against the float64 spec by how far this reference
-is from it: within 1.5x of its error (`megamoe_bwd.accuracy`).
+is from it: within 1.5x of its error (`megamoe_bwd.testing`).
 
 What the recipe quantizes, per expert e with routed rows in token order:
   forward   x per token 1 x 128; l1, l2 per 128 x 128; the activation a per row 1 x 128;
