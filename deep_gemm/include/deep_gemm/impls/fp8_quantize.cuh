@@ -6,9 +6,9 @@
 //                           (the weight gradients' operands; each group's tokens padded with zeros
 //                           to a multiple of 128, so that a scale block never holds two groups);
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
-// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread, while the CTA
-// quantizes the tile before it (two tiles in registers, two CTAs an SM); the transposed copy and
-// the column scales come from a bf16 copy of the tile in shared memory.
+// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; the activations'
+// kernel loads a tile while it quantizes the one before (two tiles in registers, two CTAs an SM).
+// The transposed copy and the column scales come from a bf16 copy of the tile in shared memory.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/fp8.cuh"
@@ -325,23 +325,12 @@ struct Fp8QuantizeWeights {
         __shared__ float warp_amax[kNumThreads / 32];
         const uint32_t num_n_blocks = p.n / kTile, num_k_blocks = p.k / kTile;
         const uint32_t num_tiles = p.num_groups * num_n_blocks * num_k_blocks;
-        // As in the activations: the next tile loads while this one is quantized and stored.
-        const auto load = [&](TileRegs& regs, uint32_t t) {
-            const uint32_t g = t / (num_n_blocks * num_k_blocks), nb = t / num_k_blocks % num_n_blocks,
-                           kb = t % num_k_blocks;
-            regs.load(p.w + static_cast<uint64_t>(g) * p.n * p.k + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile,
-                      p.k, kTile);
-        };
-        TileRegs next;
-        if (blockIdx.x < num_tiles)
-            load(next, blockIdx.x);
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             const uint32_t g = t / (num_n_blocks * num_k_blocks), nb = t / num_k_blocks % num_n_blocks,
                            kb = t % num_k_blocks;
             const uint64_t group_base = static_cast<uint64_t>(g) * p.n * p.k;
-            const TileRegs regs = next;
-            if (t + gridDim.x < num_tiles)
-                load(next, t + gridDim.x);
+            TileRegs regs;
+            regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
             regs.to_smem(tile_smem);
             float amax = 0.0f;
             #pragma unroll
