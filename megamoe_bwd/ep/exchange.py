@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._kernels import RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
+from .._kernels import Fp8Rows, RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
 
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
@@ -99,23 +99,66 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
     rows = own.new_empty(world * max_tokens, own.shape[1])
     rows[:own.shape[0]].copy_(own)
     peers = buffer.region(region).tensors
-    stream, flags = buffer.copy_stream, buffer.ready_flags
 
-    def copy_all() -> None:
-        for s in range(1, world):
-            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
-            if stream is not None:
-                stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+    def copy_pass(s: int) -> None:  # contiguous: a copy engine
+        rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])
 
+    return rows, _pull(buffer, own.device, run_offsets, copy_pass, (rows,))
+
+
+def pull_fp8_tokens(own: Fp8Rows, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor
+                    ) -> tuple[Fp8Rows, RowArrival]:
+    """`pull_tokens` for the FP8 exchange: every rank staged its rows of `region` quantized per
+    1 x 128 (`SymmBuffer.fp8_region`), about half the bf16 bytes; returns them in pass order as
+    `Fp8Rows` ``[world * M, H]`` (scales column-major, as the FP8 GEMMs read them) and their
+    `RowArrival`. Each pass copies its data rows and its H / 128 rows of scales."""
+    world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
+    num_tokens, hidden = own.data.shape
+    total = world * max_tokens
+    data = own.data.new_empty(total, hidden)
+    scale_storage = own.scales.new_empty(hidden // 128, -(-total // 4) * 4)  # (a 16-byte aligned column stride)
+    scales = scale_storage[:, :total]
+    data[:num_tokens].copy_(own.data)
+    scales[:, :num_tokens].copy_(own.scales.T)
+    peer_data, peer_scales = (r.tensors for r in buffer.fp8_region(region))
+
+    def copy_pass(s: int) -> None:  # contiguous pieces: copy engines
+        peer = (me + s) % world
+        data[s * max_tokens:(s + 1) * max_tokens].copy_(peer_data[peer])
+        for kb in range(hidden // 128):
+            scales[kb, s * max_tokens:(s + 1) * max_tokens].copy_(peer_scales[peer][kb])
+
+    arrival = _pull(buffer, own.data.device, run_offsets, copy_pass, (data, scale_storage))
+    return Fp8Rows(data, scales.T), arrival
+
+
+def stage_fp8_tokens(rows: Fp8Rows, buffer: SymmBuffer, region: str) -> None:
+    """Writes this rank's quantized rows into its own `region` for the others' `pull_fp8_tokens`."""
+    data, scales = (r.tensors[buffer.rank] for r in buffer.fp8_region(region))
+    num_tokens = rows.data.shape[0]
+    data[:num_tokens].copy_(rows.data)
+    scales[:, :num_tokens].copy_(rows.scales.T)
+
+
+def _pull(buffer: SymmBuffer, device: torch.device, run_offsets: torch.Tensor, copy_pass: Callable[[int], None],
+          outputs: tuple) -> RowArrival:
+    """Runs ``copy_pass(s)`` for the passes s = 1..S-1 (the other ranks' rows) on the buffer's copy
+    stream, each followed by its ready flag; synchronously on the CPU. `outputs` are the tensors
+    the copies write (kept from reuse until they are done)."""
+    world, stream, flags = buffer.world, buffer.copy_stream, buffer.ready_flags
     if stream is None:
-        copy_all()
-        return rows, RowArrival(run_offsets, world, None, lambda: None)
+        for s in range(1, world):
+            copy_pass(s)
+        return RowArrival(run_offsets, world, None, lambda: None)
 
-    current = torch.cuda.current_stream(own.device)
+    current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # after the barrier: the peers' rows are staged
     with torch.cuda.stream(stream):
-        copy_all()
-    rows.record_stream(stream)  # not reused before the copies into it are done, whatever happens
+        for s in range(1, world):
+            copy_pass(s)
+            stream_write_u32(flags[s:].data_ptr(), 1, device.index)
+    for t in outputs:
+        t.record_stream(stream)  # not reused before the copies into it are done, whatever happens
 
     joined = []
 
@@ -125,7 +168,7 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
             current.wait_stream(stream)
             flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
-    return rows, RowArrival(run_offsets, world, flags, join)
+    return RowArrival(run_offsets, world, flags, join)
 
 
 def _token_slots(layout: RoutingLayout, begin: int, end: int) -> RoutingLayout:
