@@ -31,15 +31,18 @@ from .._kernels import Fp8Rows, RoutingLayout, ep_wait_flags, moe_combine_bf16, 
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
 
+FORWARD, BACKWARD, FP8 = 0, 1, 2  # an exchange's kind: its direction, plus FP8 for quantized tokens
+
+
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
-    """Writes which exchange this rank is in (its count of exchanges, and `kind`: 0 forward,
-    1 backward) into every rank's buffer at the start of an exchange, then `check_calls` after
-    its first barrier. Ranks that disagree (one skipped a layer's backward,
-    or raised on its own) would otherwise pair up the wrong barriers and read each other's
-    half-written rows; this stops them with an error instead."""
+    """Writes which exchange this rank is in (its count of exchanges, and `kind`: FORWARD or
+    BACKWARD, plus FP8) into every rank's buffer at the start of an exchange, then `check_calls`
+    after its first barrier. Ranks that disagree (one skipped a layer's backward, raised on its
+    own, or staged bf16 tokens where the others read FP8) would otherwise pair up the wrong
+    barriers or read each other's rows wrongly; this stops them with an error instead."""
     buffer.num_calls += 1
     for peer_calls in buffer.region("calls").tensors:
-        peer_calls[buffer.rank:buffer.rank + 1].fill_(2 * buffer.num_calls + kind)
+        peer_calls[buffer.rank:buffer.rank + 1].fill_(4 * buffer.num_calls + kind)
 
 
 def check_calls(buffer: SymmBuffer) -> None:
@@ -47,20 +50,21 @@ def check_calls(buffer: SymmBuffer) -> None:
     everyone's results it may announce its next exchange."""
     calls = buffer.local["calls"]
     same = (calls == calls[buffer.rank]).all()
-    message = "expert-parallel ranks are in different layer calls (one skipped a forward or backward?)"
+    message = ("expert-parallel ranks are in different layer calls (one skipped a forward or backward, or ranks "
+               "disagree on fp8?)")
     if calls.is_cuda:
         torch._assert_async(same, message)
     elif not bool(same):
         raise RuntimeError(message)
 
 
-def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
+def exchange_token_counts(buffer: SymmBuffer, num_tokens: int, fp8: bool = False) -> torch.Tensor:
     """Starts a forward exchange: collective over the buffer's group (one barrier). Returns every
     rank's token count, int32 ``[world]`` on the GPU. Whatever a rank staged in its buffer before
     this call is readable by the others after it. The caller runs `check_calls` next."""
     # No barrier first: every exchange ends with `gather_partials`, which a rank passes only
     # once every other rank has sent its partial sums, after its last read of this rank's buffer.
-    announce_call(buffer, 0)
+    announce_call(buffer, FORWARD + (FP8 if fp8 else 0))
     for peer_tokens in buffer.region("num_tokens").tensors:
         peer_tokens[buffer.rank:buffer.rank + 1].fill_(num_tokens)
     buffer.barrier()

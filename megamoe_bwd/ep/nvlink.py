@@ -27,11 +27,11 @@ from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, 
                         gate_up_swiglu, k_grouped_fp8_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
                         m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous,
                         m_grouped_fp8_gemm_nt_swiglu_contiguous, moe_gather_rows_bf16, moe_swiglu_bwd_bf16,
-                        quant_reference)
+                        quant_kernels, quant_reference)
 
 from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
-from .exchange import (announce_call, check_calls, exchange_token_counts, gather_partials, gemm_other_ranks_first,
-                       pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
+from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
+                       gemm_other_ranks_first, pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
 from .symm import SymmBuffer
 
 
@@ -48,12 +48,13 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
             # In FP8 each rank quantizes its tokens once and the others pull them quantized.
             x_fp8 = fp8_quantize_rows(x) if fp8 else None
-            if fp8:
+            if fp8:  # (the weights' copies before the barrier: GEMM1 then follows the pulls' start at once)
                 stage_fp8_tokens(x_fp8, buffer, "x")
+                weights_fp8 = fp8_weights(l1), fp8_weights(l2)
             for name, t in ((("x", x),) if not fp8 else ()) + (("topk_idx", topk_idx),
                                                                 ("topk_weights", topk_weights.to(torch.float32))):
                 _stage(buffer.local[name], t)
-            source_tokens = exchange_token_counts(buffer, num_tokens)
+            source_tokens = exchange_token_counts(buffer, num_tokens, fp8)
             check_calls(buffer)
 
             # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
@@ -74,7 +75,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                                    runs.slot_valid)
             if fp8:
                 recv_x, arrival = pull_fp8_tokens(x_fp8, buffer, "x", runs.offsets)
-                h, act, gemm2, l2_operand = _fp8_gate_up_swiglu(recv_x, l1, l2, runs.offsets, layout, arrival)
+                h, act, gemm2, l2_operand = _fp8_gate_up_swiglu(recv_x, *weights_fp8, runs.offsets, layout, arrival)
             else:
                 recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
                 try:  # GEMM1 gathers x's rows pass by pass as they land
@@ -108,7 +109,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                 stage_fp8_tokens(dy_fp8, buffer, "dy")
             else:
                 _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
-            announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
+            announce_call(buffer, BACKWARD + (FP8 if ctx.fp8 else 0))  # (no barrier before: see exchange_token_counts)
             buffer.barrier()
             check_calls(buffer)
             layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
@@ -157,13 +158,12 @@ def _transposed(w):
     return w.data_t, w.scales.transpose(1, 2)
 
 
-def _fp8_gate_up_swiglu(recv_x: Fp8Rows, l1: torch.Tensor, l2: torch.Tensor, run_offsets: torch.Tensor,
-                        layout: RoutingLayout, arrival):
-    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass, SwiGLU in its epilogue),
-    its activation quantized per row; returns h, act's FP8 operand, GEMM2 and its B."""
-    w1, w2 = fp8_weights(l1), fp8_weights(l2)
-    h = recv_x.data.new_empty(layout.num_slots, l1.shape[1], dtype=torch.bfloat16)
-    act = h.new_empty(layout.num_slots, l1.shape[1] // 2)
+def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
+    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass, SwiGLU in its epilogue;
+    w1, w2 the weights' FP8 copies), its activation quantized per row; returns h, act's FP8
+    operand, GEMM2 and its B."""
+    h = recv_x.data.new_empty(layout.num_slots, w1.data.shape[1], dtype=torch.bfloat16)
+    act = h.new_empty(layout.num_slots, w1.data.shape[1] // 2)
     try:
         m_grouped_fp8_gemm_nt_swiglu_contiguous((recv_x.data, recv_x.scales), (w1.data, w1.scales), h, act, run_offsets,
                                                 a_row_index=layout.row_token, num_passes=arrival.num_passes,
@@ -194,6 +194,7 @@ def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: t
         arrival.join()
     _, dy_cols = fp8_quantize_columns(_dequantized_rows(recv_dy), offsets, row_index=layout.row_token)
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=h, act_weighted=d_act)
+    torch.autograd.graph.increment_version(h)  # (dz is written over it: a second backward must not read it)
     _, act_cols = fp8_quantize_columns(act_weighted, offsets)
     k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
@@ -206,6 +207,14 @@ def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: t
                                          dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 
     return (dz_rows.data, dz_rows.scales), row_dw, dl1_gemm_fp8
+
+
+def fp8_exchange_fits(buffer: SymmBuffer, num_local_experts: int, inter: int) -> bool:
+    """Whether the FP8 path takes a layer on `buffer`: its backward quantizes all
+    ``world * max_tokens * K`` routed rows of ``max(H, 2I)`` in one pass (32-bit element counts),
+    over at most MAX_GROUPS local experts."""
+    rows = buffer.world * buffer.max_tokens * buffer.num_topk
+    return rows * max(buffer.hidden, 2 * inter) < 2**31 and num_local_experts <= quant_kernels.MAX_GROUPS
 
 
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
@@ -243,8 +252,9 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     if num_local != buffer.num_local_experts:
         raise ValueError(f"l1 holds {num_local} experts; the buffer splits {buffer.num_experts} experts over "
                          f"{buffer.world} ranks ({buffer.num_local_experts} each)")
-    if fp8 and buffer.world * buffer.max_tokens * num_topk * max(hidden, 2 * inter) >= 2**31:
-        raise ValueError("fp8: the backward quantizes [world * max tokens * K, max(H, 2I)] in one pass, which takes "
-                         "fewer than 2^31 elements")
+    if fp8 and not fp8_exchange_fits(buffer, num_local, inter):
+        raise ValueError(f"fp8: the backward quantizes [world * max tokens * K, max(H, 2I)] = [{buffer.world} * "
+                         f"{buffer.max_tokens} * {num_topk}, {max(hidden, 2 * inter)}] in one pass, which takes fewer "
+                         f"than 2^31 elements, and at most {quant_kernels.MAX_GROUPS} local experts")
     check_expert_ids(topk_idx, buffer.num_experts, sync=not x.is_cuda)
     return _NvlinkMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer, fp8)
