@@ -162,20 +162,20 @@ def test_gathered_columns_are_the_columns_of_the_gathered_rows():
     gathered = torch.where(((index >= 0) & (index < 300))[:, None], x[index.clamp(0, 299)], 0)
     rows, cols = fp8_quantize_columns(x, offsets, row_index=index, with_rows=True)
     ref_rows, ref = fp8_quantize_columns(gathered, offsets, with_rows=True)
-    assert _same_bits(cols.data, ref.data) and _same_bits(cols.scales, ref.scales)
-    assert _same_bits(rows.data, ref_rows.data) and _same_bits(rows.scales, ref_rows.scales)
+    assert same_bits(cols.data, ref.data) and same_bits(cols.scales, ref.scales)
+    assert same_bits(rows.data, ref_rows.data) and same_bits(rows.scales, ref_rows.scales)
 
 
 # GPU: the kernels against the reference, bit for bit.
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
                                               b.cpu().view(torch.uint8) if b.element_size() == 1 else b.cpu())
 
 
 def _assert_rows_equal(out: Fp8Rows, ref: Fp8Rows, valid_rows=slice(None)):
-    assert _same_bits(out.data[valid_rows], ref.data[valid_rows])
-    assert _same_bits(out.scales[valid_rows], ref.scales[valid_rows])
+    assert same_bits(out.data[valid_rows], ref.data[valid_rows])
+    assert same_bits(out.scales[valid_rows], ref.scales[valid_rows])
 
 
 @requires_sm90
@@ -203,9 +203,9 @@ def test_columns_kernel_equals_the_reference(sizes, k, power_of_two):
                                               power_of_two_scales=power_of_two)
             assert poisoned(cols.data) and poisoned(cols.scales)
         used = int(ref.padded_offsets[-1])
-        assert _same_bits(cols.padded_offsets, ref.padded_offsets)
-        assert _same_bits(cols.data[:, :used], ref.data[:, :used])
-        assert _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+        assert same_bits(cols.padded_offsets, ref.padded_offsets)
+        assert same_bits(cols.data[:, :used], ref.data[:, :used])
+        assert same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
         if with_rows:
             _assert_rows_equal(rows, ref_rows)
         else:
@@ -224,7 +224,7 @@ def test_gathered_columns_kernel_equals_the_reference(sizes, k):
         rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=index.cuda(), with_rows=True)
         assert poisoned(cols.data) and poisoned(cols.scales)
     used = int(ref.padded_offsets[-1])
-    assert _same_bits(cols.data[:, :used], ref.data[:, :used]) and _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+    assert same_bits(cols.data[:, :used], ref.data[:, :used]) and same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
     _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
 
 
@@ -249,7 +249,7 @@ def test_weights_kernel_equals_the_reference(g, n, k, power_of_two):
         out = fp8_quantize_weights(w.cuda(), power_of_two_scales=power_of_two)
         assert poisoned(out.data) and poisoned(out.data_t)
     ref = reference.fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two)
-    assert _same_bits(out.data, ref.data) and _same_bits(out.data_t, ref.data_t) and _same_bits(out.scales, ref.scales)
+    assert same_bits(out.data, ref.data) and same_bits(out.data_t, ref.data_t) and same_bits(out.scales, ref.scales)
 
 
 @requires_sm90
@@ -259,3 +259,52 @@ def test_empty_inputs_launch_nothing_or_only_the_offsets():
     _, cols = fp8_quantize_columns(x, torch.zeros(5, dtype=torch.int32, device="cuda"))
     assert cols.padded_offsets.tolist() == [0] * 5
     assert fp8_quantize_weights(torch.empty(0, 128, 128, dtype=torch.bfloat16, device="cuda")).data.numel() == 0
+
+
+def _fp8_rows(m: int, k: int, device="cpu") -> Fp8Rows:
+    """Quantized rows whose scales' column stride exceeds their rows (the layout received rows have)."""
+    rows = reference.fp8_quantize_rows_torch(_activations(m, k))
+    storage = torch.full((k // 128, m + 7), float("nan"))
+    storage[:, :m] = rows.scales.T
+    return Fp8Rows(rows.data.to(device), storage.to(device)[:, :m].T)
+
+
+def test_columns_of_fp8_rows_are_those_of_the_rows_dequantized():
+    """On the CPU by the reference: the FP8 rows' bf16 values (dequantized, rounded once), quantized."""
+    rows, index = _fp8_rows(300, 256), _row_index(500, 300)
+    offsets = offsets_from_sizes([100, 0, 250, 150], "cpu")
+    bf16 = reference.dequantize_rows(rows).to(torch.bfloat16)
+    _, ours = fp8_quantize_columns(rows, offsets, row_index=index)
+    _, ref = reference.fp8_quantize_columns_torch(bf16, offsets, row_index=index)
+    assert same_bits(ours.data, ref.data) and same_bits(ours.scales, ref.scales)
+
+
+@pytest.mark.parametrize("scales,match", [
+    (torch.zeros(8, 2), "column-major"),  # row-major
+    (torch.zeros(2, 8).T.contiguous().T[:, :1], "must be"),  # one column of two
+    (torch.zeros(2, 8, dtype=torch.float16).T, "float32"),
+])
+def test_fp8_rows_with_malformed_scales_are_refused(scales, match):
+    data = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=match):
+        fp8_quantize_columns(Fp8Rows(data, scales), torch.tensor([0, 8], dtype=torch.int32))
+
+
+@requires_sm90
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("sizes,k", [([0, 1, 127, 128, 129, 300, 0, 1000], 256), ("skewed", 2048)])
+def test_columns_kernel_from_fp8_rows_equals_the_reference(sizes, k, gather):
+    sizes = _sizes(sizes)
+    rows = _fp8_rows(sum(sizes) + 5, k)
+    index = _row_index(sum(sizes), rows.data.shape[0]) if gather else None
+    offsets = offsets_from_sizes(sizes, "cpu")
+    bf16 = reference.dequantize_rows(rows).to(torch.bfloat16)[: None if gather else sum(sizes)]
+    _, ref = reference.fp8_quantize_columns_torch(bf16, offsets, row_index=index)
+    source = rows if gather else Fp8Rows(rows.data[:sum(sizes)], rows.scales[:sum(sizes)])
+    with poisoned_allocations(16 * (sum(sizes) + 128 * len(sizes)) * k) as poisoned:
+        _, cols = fp8_quantize_columns(Fp8Rows(source.data.cuda(), source.scales.cuda()), offsets.cuda(),
+                                       row_index=None if index is None else index.cuda())
+        assert poisoned(cols.data) and poisoned(cols.scales)
+    used = int(ref.padded_offsets[-1])
+    assert same_bits(cols.padded_offsets, ref.padded_offsets)
+    assert same_bits(cols.data[:, :used], ref.data[:, :used]) and same_bits(cols.scales[:used // 128], ref.scales[:used // 128])

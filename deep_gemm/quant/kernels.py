@@ -10,41 +10,48 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms
-from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, fp8_quantize_columns_torch, fp8_quantize_rows_torch,
-                        fp8_quantize_weights_torch, padded_group_width)
+from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, dequantize_rows, fp8_quantize_columns_torch,
+                        fp8_quantize_rows_torch, fp8_quantize_weights_torch, padded_group_width)
 
 _ACTIVATIONS = ParamsStruct("deep_gemm::Fp8QuantizeActivationsParams", [
-    ("x", "ptr"), ("row_index", "ptr"), ("offsets", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("qt", "ptr"),
-    ("scales_t", "ptr"), ("padded_offsets", "ptr"), ("m", "u32"), ("k", "u32"), ("num_groups", "u32"),
-    ("scales_ld", "u32"), ("mp", "u32"), ("x_rows", "u32")])
+    ("x", "ptr"), ("x_scales", "ptr"), ("row_index", "ptr"), ("offsets", "ptr"), ("q", "ptr"), ("scales", "ptr"),
+    ("qt", "ptr"), ("scales_t", "ptr"), ("padded_offsets", "ptr"), ("m", "u32"), ("k", "u32"), ("num_groups", "u32"),
+    ("scales_ld", "u32"), ("mp", "u32"), ("x_rows", "u32"), ("x_scales_ld", "u32")])
 _WEIGHTS = ParamsStruct("deep_gemm::Fp8QuantizeWeightsParams", [
     ("w", "ptr"), ("q", "ptr"), ("qt", "ptr"), ("scales", "ptr"), ("num_groups", "u32"), ("n", "u32"), ("k", "u32")])
 _NUM_THREADS = 256
 MAX_GROUPS = 1024  # the kernel scans the group sizes in shared memory (fp8_quantize::kMaxGroups)
 
 
+# kernel -> (C++ struct with its template arguments after the scale rule, parameters)
+_KERNELS = {
+    "activations": ("Fp8QuantizeActivations", "", _ACTIVATIONS),
+    # the same from e4m3 rows and their scales, dequantized in the loads
+    "activations_from_fp8": ("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource", _ACTIVATIONS),
+    "weights": ("Fp8QuantizeWeights", "", _WEIGHTS),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
-    """`name`: "activations" or "weights"."""
-    struct, params = {"activations": ("Fp8QuantizeActivations", _ACTIVATIONS),
-                      "weights": ("Fp8QuantizeWeights", _WEIGHTS)}[name]
+    """`name`: a key of `_KERNELS`."""
+    struct, source, params = _KERNELS[name]
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
-    # The activations' kernel: two CTAs an SM, each holding two tiles in registers (<= 128 registers
+    # The activations' kernels: two CTAs an SM, each holding two tiles in registers (<= 128 registers
     # a thread). The weights' kernel without that prefetch is 5-6% faster (docs/PERF.md, session 12).
-    return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}>", params,
-                        _NUM_THREADS, min_blocks_per_sm=2 if name == "activations" else 1)
+    return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}{source}>", params,
+                        _NUM_THREADS, min_blocks_per_sm=1 if name == "weights" else 2)
 
 
 def all_kernels() -> list[tuple[str, bool]]:
     """Arguments of every kernel here (for `get_kernel`)."""
-    return [(name, pow2) for name in ("activations", "weights") for pow2 in (False, True)]
+    return [(name, pow2) for name in _KERNELS for pow2 in (False, True)]
 
 
 def _launch(name: str, power_of_two_scales: bool, device: int, num_tiles: int, **values) -> None:
     kernel = get_kernel(name, power_of_two_scales)
     num_blocks = max(1, min(num_tiles, kernel.max_resident_blocks(device), 8 * get_num_sms(device)))
-    params = _ACTIVATIONS if name == "activations" else _WEIGHTS
-    kernel.launch(params.pack(**values), num_blocks, device)
+    kernel.launch(_KERNELS[name][2].pack(**values), num_blocks, device)
 
 
 def _check_rows(x: torch.Tensor) -> None:
@@ -72,51 +79,83 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     m, k = x.shape
     if m:
         _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
-                row_index=0, offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0, scales_t=0,
-                padded_offsets=0, m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0, x_rows=m)
+                x_scales=0, row_index=0, offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0,
+                scales_t=0, padded_offsets=0, m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0, x_rows=m,
+                x_scales_ld=0)
     return out
 
 
-def fp8_quantize_columns(x: torch.Tensor, group_offsets: torch.Tensor, *, row_index: Optional[torch.Tensor] = None,
-                         with_rows: bool = False, power_of_two_scales: bool = False
-                         ) -> tuple[Optional[Fp8Rows], Fp8Columns]:
+def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor, *,
+                         row_index: Optional[torch.Tensor] = None, with_rows: bool = False,
+                         power_of_two_scales: bool = False) -> tuple[Optional[Fp8Rows], Fp8Columns]:
     """x ``[M, K]`` bf16 (K a multiple of 128) in row groups (`group_offsets` ``[G + 1]`` int32,
     G <= 1024), transposed and quantized per 128 x 1 within each group: an operand of
     `k_grouped_fp8_gemm_tn_contiguous` (see `Fp8Columns`; its padded offsets are written on the
     GPU). With `row_index` (int64 ``[M]``), row m is ``x[row_index[m]]`` (x then has any number of
     rows; an index outside them reads zeros), gathered by the kernel's loads: no gathered copy.
     `with_rows` also returns the rows quantized per 1 x 128 (`fp8_quantize_rows`), from the same
-    pass: rows outside every group are left unwritten there."""
-    _check_rows(x)
+    pass: rows outside every group are left unwritten there.
+
+    x may also be `Fp8Rows` (rows already quantized per 1 x 128, e.g. received in FP8 from
+    another GPU): they are dequantized in the loads and rounded to bf16, the values
+    ``reference.dequantize_rows(x).bfloat16()``, then quantized as above (a second rounding: use
+    it only where the bf16 rows are gone)."""
+    from_fp8 = isinstance(x, Fp8Rows)
+    if from_fp8:
+        _check_fp8_rows(x)
+    else:
+        _check_rows(x)
+    data = x.data if from_fp8 else x
     num_groups = check_group_offsets(group_offsets)
     if not 1 <= num_groups <= MAX_GROUPS:
         raise ValueError(f"the column quantization takes 1 to {MAX_GROUPS} groups, got {num_groups}")
     if row_index is not None:
         check_tensor("row_index", row_index, torch.int64, 1)
-        if row_index.numel() * x.shape[1] >= 2**31:
-            raise ValueError(f"row_index picks {row_index.numel()} rows of {x.shape[1]}: the kernels index rows with "
-                             f"32-bit counts")
-    if not x.is_cuda:
-        return fp8_quantize_columns_torch(x, group_offsets, row_index=row_index, with_rows=with_rows,
+        if row_index.numel() * data.shape[1] >= 2**31:
+            raise ValueError(f"row_index picks {row_index.numel()} rows of {data.shape[1]}: the kernels index rows "
+                             f"with 32-bit counts")
+    if not data.is_cuda:
+        source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
+        return fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,
                                           power_of_two_scales=power_of_two_scales)
-    if row_index is None:
-        check_cuda_devices(x=x, group_offsets=group_offsets)
-    else:
-        check_cuda_devices(x=x, group_offsets=group_offsets, row_index=row_index)
-    m, k = (x.shape[0] if row_index is None else row_index.numel()), x.shape[1]
+    tensors = dict(x=data, group_offsets=group_offsets)
+    if from_fp8:
+        tensors["x_scales"] = x.scales
+    if row_index is not None:
+        tensors["row_index"] = row_index
+    check_cuda_devices(**tensors)
+    m, k = (data.shape[0] if row_index is None else row_index.numel()), data.shape[1]
     width = padded_group_width(m, num_groups)
-    columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=x.device),
-                         torch.empty(width // BLOCK, k, dtype=torch.float32, device=x.device),
-                         torch.empty(num_groups + 1, dtype=torch.int32, device=x.device))
-    rows = _empty_rows(m, k, x.device) if with_rows else None
+    columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=data.device),
+                         torch.empty(width // BLOCK, k, dtype=torch.float32, device=data.device),
+                         torch.empty(num_groups + 1, dtype=torch.int32, device=data.device))
+    rows = _empty_rows(m, k, data.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
-    _launch("activations", power_of_two_scales, x.device.index, width // BLOCK * (k // BLOCK), x=x.data_ptr(),
+    _launch("activations_from_fp8" if from_fp8 else "activations", power_of_two_scales, data.device.index,
+            width // BLOCK * (k // BLOCK), x=data.data_ptr(), x_scales=x.scales.data_ptr() if from_fp8 else 0,
             row_index=0 if row_index is None else row_index.data_ptr(), offsets=group_offsets.data_ptr(),
             q=rows.data.data_ptr() if rows else 0, scales=rows.scales.data_ptr() if rows else 0,
             qt=columns.data.data_ptr(), scales_t=columns.scales.data_ptr(),
             padded_offsets=columns.padded_offsets.data_ptr(), m=m, k=k, num_groups=num_groups,
-            scales_ld=rows.scales.stride(1) if rows else 0, mp=width, x_rows=x.shape[0])
+            scales_ld=rows.scales.stride(1) if rows else 0, mp=width, x_rows=data.shape[0],
+            x_scales_ld=x.scales.stride(1) if from_fp8 else 0)
     return rows, columns
+
+
+def _check_fp8_rows(x: Fp8Rows) -> None:
+    """`Fp8Rows` as the kernels read them: data ``[M, K]`` e4m3 (K a multiple of 128), scales
+    ``[M, K / 128]`` fp32 column-major (``stride() == (1, ld)``, ld >= M)."""
+    check_tensor("x.data", x.data, torch.float8_e4m3fn, 2)
+    m, k = x.data.shape
+    check_multiple("K (x.data.shape[1])", k, BLOCK)
+    if x.data.numel() >= 2**31:
+        raise ValueError(f"x has {x.data.numel()} elements: the kernels index rows with 32-bit counts")
+    scales = x.scales
+    if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != (m, k // BLOCK)
+            or scales.stride(0) != 1 or (k > BLOCK and scales.stride(1) < m)):
+        raise ValueError(f"x.scales must be [{m}, {k // BLOCK}] float32, column-major (stride (1, >= {m})), got "
+                         f"{getattr(scales, 'dtype', type(scales).__name__)} {tuple(getattr(scales, 'shape', ()))} "
+                         f"strides {scales.stride() if isinstance(scales, torch.Tensor) else None}")
 
 
 def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Weights:

@@ -27,7 +27,7 @@ from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, 
                         gate_up_swiglu, k_grouped_fp8_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
                         m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous,
                         m_grouped_fp8_gemm_nt_swiglu_contiguous, moe_gather_rows_bf16, moe_swiglu_bwd_bf16,
-                        quant_kernels, quant_reference)
+                        quant_kernels)
 
 from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
 from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
@@ -174,12 +174,6 @@ def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layo
     return h, (act_fp8.data, act_fp8.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
 
 
-def _dequantized_rows(rows: Fp8Rows) -> torch.Tensor:
-    """bf16 values of FP8 rows: the weight gradients' column copies are made from them here, the
-    only copy of the other ranks' tokens on this rank (docs/DESIGN.md, "The FP8 layer")."""
-    return quant_reference.dequantize_rows(rows).to(torch.bfloat16)
-
-
 def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: torch.Tensor, layout: RoutingLayout,
                        arrival, grads):
     """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, the SwiGLU backward, dl2;
@@ -192,7 +186,9 @@ def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: t
                                          num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
     finally:
         arrival.join()
-    _, dy_cols = fp8_quantize_columns(_dequantized_rows(recv_dy), offsets, row_index=layout.row_token)
+    # (the weight gradients' column copies from the exchanged FP8 rows, dequantized in the loads:
+    # the only copy of the other ranks' tokens here, docs/DESIGN.md "The FP8 layer")
+    _, dy_cols = fp8_quantize_columns(recv_dy, offsets, row_index=layout.row_token)
     dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=h, act_weighted=d_act)
     torch.autograd.graph.increment_version(h)  # (dz is written over it: a second backward must not read it)
     _, act_cols = fp8_quantize_columns(act_weighted, offsets)
@@ -202,7 +198,7 @@ def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: t
     dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
 
     def dl1_gemm_fp8() -> None:
-        _, x_cols = fp8_quantize_columns(_dequantized_rows(recv_x), offsets, row_index=layout.row_token)
+        _, x_cols = fp8_quantize_columns(recv_x, offsets, row_index=layout.row_token)
         k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
                                          dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 

@@ -136,7 +136,8 @@ struct ColumnPair {
 }  // namespace fp8_quantize
 
 struct Fp8QuantizeActivationsParams {
-    const __nv_bfloat16* x;  // [M, K], or [x_rows, K] with row_index
+    const void* x;           // [M, K], or [x_rows, K] with row_index: bf16, or e4m3 (Fp8RowsSource)
+    const float* x_scales;   // e4m3 x's 1 x 128 scales, x_scales[kb * x_scales_ld + row] (Fp8RowsSource)
     const int64_t* row_index;  // [M] or null: row m is x's row row_index[m] (outside [0, x_rows): zeros)
     const int* offsets;      // [G + 1] row groups (transposed copy only)
     uint8_t* q;              // [M, K] e4m3, or null
@@ -144,13 +145,65 @@ struct Fp8QuantizeActivationsParams {
     uint8_t* qt;             // [K, mp] e4m3, or null: column p of group g is its row p - padded[g]
     float* scales_t;         // [mp / 128, K]: one per 128 columns of qt and row of it
     int* padded_offsets;     // [G + 1]: group g's columns of qt, [padded[g], padded[g + 1]), multiples of 128
-    uint32_t m, k, num_groups, scales_ld, mp, x_rows;
+    uint32_t m, k, num_groups, scales_ld, mp, x_rows, x_scales_ld;
 };
+
+namespace fp8_quantize {
+
+// Where the activations' kernel reads its rows: `load(regs, p, coords)` fills a tile's registers
+// with bf16 values, rows past coords.num_rows (and rows whose index lies outside x) as zeros.
+// bf16 rows, read as they are.
+struct Bf16RowsSource {
+    __device__ __forceinline__ static void load(TileRegs& regs, const Fp8QuantizeActivationsParams& p,
+                                                const TileCoords& c) {
+        const auto* x = static_cast<const __nv_bfloat16*>(p.x);
+        if (p.row_index == nullptr) {
+            regs.load(x + static_cast<uint64_t>(c.row_begin) * p.k + c.kb * kTile, p.k, c.num_rows);
+        } else {
+            regs.load_rows(x + c.kb * kTile, p.k, c.num_rows, [&](uint32_t r) {
+                const int64_t source = __ldg(p.row_index + c.row_begin + r);
+                return source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
+            });
+        }
+    }
+};
+
+// e4m3 rows with their 1 x 128 scales, dequantized in the loads and rounded to bf16: the values
+// `deep_gemm.quant.reference.dequantize_rows(...).bfloat16()` gives (for rows whose bf16 copy
+// is not at hand, e.g. other ranks' tokens after an FP8 exchange).
+struct Fp8RowsSource {
+    __device__ __forceinline__ static void load(TileRegs& regs, const Fp8QuantizeActivationsParams& p,
+                                                const TileCoords& c) {
+        const auto* x = static_cast<const uint8_t*>(p.x);
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumPasses; ++i) {
+            const uint32_t r = TileRegs::row(i);
+            int64_t source = -1;
+            if (r < c.num_rows) {
+                source = p.row_index == nullptr ? static_cast<int64_t>(c.row_begin + r) : __ldg(p.row_index + c.row_begin + r);
+                source = source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
+            }
+            float v[ptx::kBF16PerVec];
+            if (source >= 0) {
+                const float scale = __ldg(p.x_scales + static_cast<uint64_t>(c.kb) * p.x_scales_ld + source);
+                ptx::unpack_e4m3x8(__ldg(reinterpret_cast<const uint2*>(x + source * p.k + c.kb * kTile + TileRegs::col())), v);
+                #pragma unroll
+                for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
+                    v[j] *= scale;
+                regs.raw[i] = ptx::float_to_bf16x8(v);
+            } else {
+                regs.raw[i] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    }
+};
+
+}  // namespace fp8_quantize
 
 // Without `qt`, tiles walk rows 128 at a time and `offsets` is not read. With it, tiles walk the
 // padded columns of qt: tile b's rows are rows padded[g] - offsets[g] + 128 b.. of group g, the
 // rows past the group's end read as zeros (so qt's padding is zeros) and are not written to q.
-template <typename ScaleRule>
+template <typename ScaleRule, typename Source = fp8_quantize::Bf16RowsSource>
 struct Fp8QuantizeActivations {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
 
@@ -181,16 +234,7 @@ struct Fp8QuantizeActivations {
             }
             return c;
         };
-        const auto load = [&](TileRegs& regs, const TileCoords& c) {
-            if (p.row_index == nullptr) {
-                regs.load(p.x + static_cast<uint64_t>(c.row_begin) * p.k + c.kb * kTile, p.k, c.num_rows);
-            } else {
-                regs.load_rows(p.x + c.kb * kTile, p.k, c.num_rows, [&](uint32_t r) {
-                    const int64_t source = __ldg(p.row_index + c.row_begin + r);
-                    return source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
-                });
-            }
-        };
+        const auto load = [&](TileRegs& regs, const TileCoords& c) { Source::load(regs, p, c); };
         TileCoords next_coords{};
         TileRegs next;
         if (blockIdx.x < num_tiles)

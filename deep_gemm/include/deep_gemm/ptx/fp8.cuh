@@ -3,6 +3,7 @@
 // "Blockwise FP8"): a block of values with largest magnitude `amax` is stored as
 // fp8(x * (1 / scale)), the reciprocal rounded once, and read back as fp8 * scale.
 #include <cstdint>
+#include <cuda_fp16.h>
 
 namespace deep_gemm::ptx {
 
@@ -18,6 +19,22 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 // Four floats to four e4m3 values, element 0 in the low byte.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
     return static_cast<uint32_t>(pack_e4m3x2(a, b)) | (static_cast<uint32_t>(pack_e4m3x2(c, d)) << 16);
+}
+
+// Eight e4m3 values (element 0 in the low byte) as floats, exactly (through f16, which holds them).
+__device__ __forceinline__ void unpack_e4m3x8(const uint2& packed, float (&out)[8]) {
+    const uint32_t words[2] = {packed.x, packed.y};
+    #pragma unroll
+    for (uint32_t w = 0; w < 2; ++w) {
+        #pragma unroll
+        for (uint32_t half = 0; half < 2; ++half) {
+            uint32_t f16x2;
+            const uint16_t pair = static_cast<uint16_t>(words[w] >> (16 * half));
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(f16x2) : "h"(pair));
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&f16x2));
+            out[4 * w + 2 * half] = v.x, out[4 * w + 2 * half + 1] = v.y;
+        }
+    }
 }
 
 // The smallest normal fp32: a subnormal scale's reciprocal would be inf (0 * inf = NaN).
