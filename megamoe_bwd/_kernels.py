@@ -48,4 +48,3 @@ stream_write_u32 = _module("jit.runtime").stream_write_u32
 check_tensor, get_num_sms = _module("utils").check_tensor, _module("utils").get_num_sms
 testing = _module("testing")
 relative_error = testing.relative_error
-torch_fp8_rowwise_grouped_mm, torch_fp8_rowwise_wgrad = testing.torch_fp8_rowwise_grouped_mm, testing.torch_fp8_rowwise_wgrad

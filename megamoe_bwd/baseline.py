@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._kernels import torch_fp8_rowwise_grouped_mm, torch_fp8_rowwise_wgrad
+from ._kernels import testing
 
 __all__ = ["grouped_mm_moe", "expert_mlps", "fp8_rowwise_moe"]
 
@@ -47,15 +47,15 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, w, offs):
         ctx.save_for_backward(a, w, offs)
-        return torch_fp8_rowwise_grouped_mm(a, w, torch.cat([offs.new_zeros(1), offs]))
+        return testing.torch_fp8_rowwise_grouped_mm(a, w, torch.cat([offs.new_zeros(1), offs]))
 
     @staticmethod
     def backward(ctx, dy):
         a, w, offs = ctx.saved_tensors
         group_offsets = torch.cat([offs.new_zeros(1), offs])
-        da = torch_fp8_rowwise_grouped_mm(dy.contiguous(), w.transpose(1, 2).contiguous(), group_offsets)
+        da = testing.torch_fp8_rowwise_grouped_mm(dy.contiguous(), w.transpose(1, 2).contiguous(), group_offsets)
         sizes = (offs - torch.cat([offs.new_zeros(1), offs[:-1]])).tolist()
-        dw, _ = torch_fp8_rowwise_wgrad(dy, a, sizes)
+        dw, _ = testing.torch_fp8_rowwise_wgrad(dy, a, sizes)
         return da, dw().to(w.dtype), None
 
 

@@ -38,7 +38,8 @@ def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
     struct, source, params = _KERNELS[name]
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
     # The activations' kernels: two CTAs an SM, each holding two tiles in registers (<= 128 registers
-    # a thread). The weights' kernel without that prefetch is 5-6% faster (docs/PERF.md, session 12).
+    # a thread). The weights' kernel is faster without that prefetch (docs/PERF.md, "Quantization
+    # with the next tile prefetched").
     return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}{source}>", params,
                         _NUM_THREADS, min_blocks_per_sm=1 if name == "weights" else 2)
 
