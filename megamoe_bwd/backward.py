@@ -205,45 +205,65 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
         kernels.get_kernel(name)
 
 
-def _data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``
-    (its transposed copy: FP8 MMAs read both operands K-major)."""
-    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), (weights.data_t, weights.scales.transpose(1, 2)), out,
-                                     offsets)
+def fp8_transposed(weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data gradients' B: the transposed copy of `Fp8Weights` and its scales (FP8 MMAs read
+    both operands K-major)."""
+    return weights.data_t, weights.scales.transpose(1, 2)
+
+
+def fp8_data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor,
+                      **gemm_args) -> torch.Tensor:
+    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``;
+    `gemm_args` go to the GEMM (row gathers, passes)."""
+    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), fp8_transposed(weights), out, offsets, **gemm_args)
     return out
+
+
+def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_cols, grads: WeightGrads,
+                                keep_handle: bool):
+    """`swiglu_backward_and_dl2` in FP8: the SwiGLU backward, then ``dl2 (+)= dy^T @ (w * act)``
+    on `dy_cols` (dy's per-expert `Fp8Columns`), then dz quantized once. Returns ``(dz_rows
+    Fp8Rows, dz_cols Fp8Columns, row_dw [T * K])``; the handle as there."""
+    layout, h = handle.layout, handle.h
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
+                                                   act_weighted=d_act)
+    if not keep_handle:
+        handle.h = None
+        torch.autograd.graph.increment_version(h)
+    _, act_cols = fp8_quantize_columns(act_weighted, layout.offsets)
+    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
+                                     dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
+    del act_cols, act_weighted
+    dz_rows, dz_cols = fp8_quantize_columns(dz, layout.offsets, with_rows=True)
+    return dz_rows, dz_cols, row_dw
+
+
+def fp8_dl1_gemm(dz_cols, x, layout: RoutingLayout, grads: WeightGrads) -> None:
+    """``dl1 (+)= dz^T @ x[rows]`` in FP8: x (bf16 tokens, or `Fp8Rows`) quantized per expert's
+    columns, its routed rows gathered by the quantization's loads."""
+    _, x_cols = fp8_quantize_columns(x, layout.offsets, row_index=layout.row_token)
+    k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
+                                     dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 
 
 def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle,
                           grads: WeightGrads, keep_handle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`mega_moe_backward` for a handle of recipe "fp8", its arguments already checked: fills
     `grads`, returns ``(dx [T, H] bf16, dtopk_weights [T, K] fp32)``."""
-    layout, x, h = handle.layout, handle.x, handle.h
+    layout, x = handle.layout, handle.x
     offsets, inter = layout.offsets, l2.shape[2]
     if dy.is_cuda:
         build_fp8_kernels(grads)
     w1, w2 = fp8_weights(l1), fp8_weights(l2)
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
-    d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
-                                                   act_weighted=d_act)
-    if not keep_handle:
-        handle.h = None
-        torch.autograd.graph.increment_version(h)
-    _, act_cols = fp8_quantize_columns(act_weighted, offsets)
-    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
-                                     dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
-    del dy_rows, dy_cols, act_cols, d_act, act_weighted
-    dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
-
-    def dl1_gemm() -> None:
-        _, x_cols = fp8_quantize_columns(x, offsets, row_index=layout.row_token)
-        k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
-                                         dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
-
+    d_act = fp8_data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
+    del dy_rows
+    dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
+    del dy_cols, d_act
     with SideStream(dy.device) as side:
-        side.run(dl1_gemm)
-        dx_rows = _data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
+        side.run(lambda: fp8_dl1_gemm(dz_cols, x, layout, grads))
+        dx_rows = fp8_data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
         dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
     return dx, routing_weight_grad(row_dw, layout)
 

@@ -210,7 +210,8 @@ def _check_graph_capture(rank: int, world: int, device: torch.device, fp8: bool)
             raise AssertionError(f"rank {rank}: CUDA-graph replay of the NVLink path (fp8={fp8}) differs in {name}")
 
 
-def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list, hidden: int, inter: int) -> SymmBuffer:
+def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list, hidden: int,
+                 inter: int) -> SymmBuffer:
     if device.type == "cuda":
         return get_symm_buffer_for_mega_moe(None, E_LOCAL * world, MAX_TOKENS, K, hidden, inter)
     from emulated_kernels import patch_kernels

@@ -24,12 +24,12 @@ import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
                         check_expert_ids, check_moe_inputs, fp8_quantize_columns, fp8_quantize_rows, fp8_weights,
-                        gate_up_swiglu, k_grouped_fp8_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
-                        m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous,
-                        m_grouped_fp8_gemm_nt_swiglu_contiguous, moe_gather_rows_bf16, moe_swiglu_bwd_bf16,
-                        quant_kernels)
+                        gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
+                        m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous,
+                        moe_gather_rows_bf16, quant_kernels)
 
-from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
+from ..backward import (SideStream, dl1_gemm, fp8_data_gradient, fp8_dl1_gemm, fp8_swiglu_backward_and_dl2,
+                        fp8_transposed, routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
 from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
                        gemm_other_ranks_first, pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
 from .symm import SymmBuffer
@@ -118,7 +118,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                 recv_x = Fp8Rows(*saved_x)
                 recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
                 dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2, layout, arrival, grads)
-                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, _transposed(fp8_weights(l1))
+                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, fp8_transposed(fp8_weights(l1))
             else:
                 (recv_x,) = saved_x
                 recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
@@ -153,11 +153,6 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.dl1, grads.dl2, None, None
 
 
-def _transposed(w):
-    """The data gradients' B: a weight's transposed FP8 copy and its scales."""
-    return w.data_t, w.scales.transpose(1, 2)
-
-
 def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
     """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass, SwiGLU in its epilogue;
     w1, w2 the weights' FP8 copies), its activation quantized per row; returns h, act's FP8
@@ -178,31 +173,18 @@ def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: t
                        arrival, grads):
     """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, the SwiGLU backward, dl2;
     returns (dz's FP8 rows, row_dw, dl1's GEMM to run beside dx's)."""
-    offsets = layout.offsets
     d_act = h.new_empty(layout.num_slots, l2.shape[2])
     try:  # dA's GEMM gathers dy's rows pass by pass as they land
-        m_grouped_fp8_gemm_nt_contiguous((recv_dy.data, recv_dy.scales), _transposed(fp8_weights(l2)), d_act,
-                                         arrival.run_offsets, a_row_index=layout.row_token,
-                                         num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
+        fp8_data_gradient(recv_dy, fp8_weights(l2), d_act, arrival.run_offsets, a_row_index=layout.row_token,
+                          num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
     finally:
         arrival.join()
     # (the weight gradients' column copies from the exchanged FP8 rows, dequantized in the loads:
     # the only copy of the other ranks' tokens here, docs/DESIGN.md "The FP8 layer")
-    _, dy_cols = fp8_quantize_columns(recv_dy, offsets, row_index=layout.row_token)
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=h, act_weighted=d_act)
-    torch.autograd.graph.increment_version(h)  # (dz is written over it: a second backward must not read it)
-    _, act_cols = fp8_quantize_columns(act_weighted, offsets)
-    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
-                                     dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
-    del dy_cols, act_cols, act_weighted, d_act
-    dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
-
-    def dl1_gemm_fp8() -> None:
-        _, x_cols = fp8_quantize_columns(recv_x, offsets, row_index=layout.row_token)
-        k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
-                                         dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
-
-    return (dz_rows.data, dz_rows.scales), row_dw, dl1_gemm_fp8
+    _, dy_cols = fp8_quantize_columns(recv_dy, layout.offsets, row_index=layout.row_token)
+    dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(MegaMoEHandle(layout, recv_x, h), d_act, dy_cols, grads,
+                                                           keep_handle=False)
+    return (dz_rows.data, dz_rows.scales), row_dw, lambda: fp8_dl1_gemm(dz_cols, recv_x, layout, grads)
 
 
 def fp8_exchange_fits(buffer: SymmBuffer, num_local_experts: int, inter: int) -> bool:
