@@ -22,16 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
-from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, same_bits, warm_up_gpu  # noqa: E402
 
 
 def _gbps(num_bytes: int, ms: float) -> float:
     return num_bytes / ms / 1e6
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    as_bytes = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
-    return torch.equal(as_bytes(a), as_bytes(b))
 
 
 def _rows_bytes(m: int, k: int) -> int:
@@ -49,7 +44,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     yield ("rows x", 2 * x.numel(), _rows_bytes(tokens, hidden), lambda: fp8_quantize_rows(x),
            _rows_bytes(tokens, hidden), lambda: torch_rows(x),
-           lambda: _bits_equal(fp8_quantize_rows(x).data, reference.fp8_quantize_rows_torch(x).data))
+           lambda: same_bits(fp8_quantize_rows(x).data, reference.fp8_quantize_rows_torch(x).data))
     for name, width in (("dy", hidden), ("act", inter)):
         rows = torch.randn(routed, width, device="cuda", dtype=torch.bfloat16)
         padded = reference.padded_group_width(routed, experts)
@@ -58,7 +53,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
             ours_rows, ours = fp8_quantize_columns(rows, offsets, with_rows=True)
             ref_rows, ref = reference.fp8_quantize_columns_torch(rows, offsets, with_rows=True)
             used = int(ref.padded_offsets[-1])
-            return _bits_equal(ours.data[:, :used], ref.data[:, :used]) and _bits_equal(ours_rows.data, ref_rows.data)
+            return same_bits(ours.data[:, :used], ref.data[:, :used]) and same_bits(ours_rows.data, ref_rows.data)
 
         yield (f"rows+cols {name}", 2 * rows.numel(), _rows_bytes(routed, width) + width * padded * (1 + 4 / 128),
                lambda rows=rows: fp8_quantize_columns(rows, offsets, with_rows=True),
@@ -69,7 +64,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
         num_bytes = 4 * w.numel() + 4 * w.numel() // 128**2
         yield (f"weights {name}", 2 * w.numel(), num_bytes, lambda w=w: fp8_quantize_weights(w), num_bytes,
                lambda w=w: torch_weights(w),
-               lambda w=w: _bits_equal(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
+               lambda w=w: same_bits(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
 
 
 def main() -> None:

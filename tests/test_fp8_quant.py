@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deep_gemm.quant import (Fp8Rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              padded_group_width)
 from deep_gemm.quant import reference  # noqa: E402
-from deep_gemm.testing import offsets_from_sizes, poisoned_allocations, random_group_sizes  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, poisoned_allocations, random_group_sizes, same_bits  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
@@ -167,11 +167,6 @@ def test_gathered_columns_are_the_columns_of_the_gathered_rows():
 
 
 # GPU: the kernels against the reference, bit for bit.
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
-                                              b.cpu().view(torch.uint8) if b.element_size() == 1 else b.cpu())
-
 
 def _assert_rows_equal(out: Fp8Rows, ref: Fp8Rows, valid_rows=slice(None)):
     assert same_bits(out.data[valid_rows], ref.data[valid_rows])

@@ -301,6 +301,7 @@ def test_the_fp8_exchange_moves_quantized_rows_and_their_scales():
     """Each rank stages its rows quantized (in its bf16 region's bytes); a receiver's pull gives
     every rank's rows in pass order, with the scales column-major as the FP8 GEMMs read them."""
     from deep_gemm.quant import fp8_quantize_rows
+    from deep_gemm.testing import same_bits
     from megamoe_bwd.ep.exchange import pull_fp8_tokens, stage_fp8_tokens
     storages = [torch.zeros(SymmBuffer.nbytes(2, 8, K, H_FP8), dtype=torch.uint8) for _ in range(2)]
     ranks = [SymmBuffer(storages, r, None, 2 * E_LOCAL, 8, K, H_FP8, barrier=lambda: None) for r in range(2)]
@@ -311,8 +312,8 @@ def test_the_fp8_exchange_moves_quantized_rows_and_their_scales():
         pulled, _ = pull_fp8_tokens(rows[me], ranks[me], "x", torch.zeros(1, dtype=torch.int32))
         for s, theirs in enumerate((rows[me], rows[1 - me])):
             n = theirs.data.shape[0]
-            assert torch.equal(pulled.data[8 * s:8 * s + n].view(torch.uint8), theirs.data.view(torch.uint8))
-            assert torch.equal(pulled.scales[8 * s:8 * s + n], theirs.scales)
+            assert same_bits(pulled.data[8 * s:8 * s + n], theirs.data)
+            assert same_bits(pulled.scales[8 * s:8 * s + n], theirs.scales)
         assert pulled.scales.stride() == (1, 16)
 
 
