@@ -9,10 +9,12 @@ the Python documentation CPython ships (`pydoc_data`), as UTF-8 bytes (a 256-sym
 tokenizer). Each step trains on `--tokens` tokens in sequences of `--seq`.
 
 Prints per backend tokens/s, step ms (median, min, max; the first step, which compiles
-kernels, apart), peak memory and the speed over the first backend; writes a PNG of the loss
-curves and step times (`--plot`). Needs a Hopper GPU.
+kernels, apart), peak memory, the speed over the first backend, and how far each loss curve
+is from the first backend's: at any step, and at any logged step (the mean loss of each
+`--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
+times (`--plot`). Needs a Hopper GPU.
 
-    python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe]
+    python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe] [--log-every 10]
 """
 from __future__ import annotations
 
@@ -87,14 +89,26 @@ def train(backend: str, args, data: torch.Tensor) -> dict:
     return {"losses": losses, "times": times, "peak": peak}
 
 
-def plot(results: dict, path: str) -> None:
+def logged(losses: list, every: int) -> list:
+    """The mean loss of each full window of `every` steps (what a trainer logs every `every` steps)."""
+    return [statistics.fmean(losses[i:i + every]) for i in range(0, len(losses) - every + 1, every)]
+
+
+def max_relative_diff(values: list, base: list) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(values, base))
+
+
+def plot(results: dict, path: str, every: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for backend, r in results.items():
-        loss_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=backend)
+        line, = loss_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], linewidth=0.6, alpha=0.6)
+        means = logged(r["losses"], every)
+        loss_ax.plot([every * (i + 1) for i in range(len(means))], means, "o-", color=line.get_color(),
+                     markersize=3, label=f"{backend} (mean of {every})")
         time_ax.plot(range(2, len(r["times"]) + 1), r["times"][1:], label=backend)
     loss_ax.set(xlabel="step", ylabel="training loss", title="loss")
     time_ax.set(xlabel="step", ylabel="ms per step (forward, backward, AdamW)", title="step time (first step left out)")
@@ -118,6 +132,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     parser.add_argument("--plot", default="train_moe.png")
     args = parser.parse_args()
     require_sm90("train_moe.py")
@@ -135,18 +150,20 @@ def main() -> None:
     base = args.backends.split(",")[0]
     base_median = statistics.median(results[base]["times"][1:])
     lines = [f"{'backend':<12} {'tokens/s':>9} {'median ms':>10} {'min':>8} {'max':>8} {'first ms':>9} {'peak GB':>8} "
-             f"{'speed':>6} {'final loss':>10} {'max loss diff':>13}"]
+             f"{'speed':>6} {'final loss':>10} {'max step diff':>13} {'max logged diff':>15}"]
     for backend, r in results.items():
         median = statistics.median(r["times"][1:])
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], results[base]["losses"]))
+        diff = max_relative_diff(r["losses"], results[base]["losses"])
+        logged_diff = max_relative_diff(logged(r["losses"], args.log_every), logged(results[base]["losses"], args.log_every))
         lines.append(f"{backend:<12} {args.tokens / median * 1e3:>9.0f} {median:>10.1f} {min(r['times'][1:]):>8.1f} "
                      f"{max(r['times'][1:]):>8.1f} {r['times'][0]:>9.1f} {r['peak'] / 2**30:>8.2f} "
-                     f"{base_median / median:>5.2f}x {r['losses'][-1]:>10.4f} {100 * diff:>12.2f}%")
+                     f"{base_median / median:>5.2f}x {r['losses'][-1]:>10.4f} {100 * diff:>12.2f}% {100 * logged_diff:>14.2f}%")
     print(f"{args.layers} layers, {args.tokens} tokens per step ({args.tokens // args.seq} x {args.seq}), {args.steps} "
-          f"steps; max loss diff: the largest relative difference from {base}'s loss at any step")
+          f"steps; max step / logged diff: the largest relative difference from {base}'s loss at any step / "
+          f"in any mean of {args.log_every} steps")
     print("\n".join(lines))
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.log_every)
 
 
 if __name__ == "__main__":
