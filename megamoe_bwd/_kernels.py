@@ -32,14 +32,14 @@ quant_kernels = _module("quant.kernels")
 fp8_quantize_columns = quant.fp8_quantize_columns
 
 moe_forward, moe_kernels, moe_layout = _module("moe.forward"), _module("moe.kernels"), _module("moe.layout")
-moe_fp8 = _module("moe.fp8")
+moe_fp8, moe_kernels_fp8 = _module("moe.fp8"), _module("moe.kernels_fp8")
 fp8_mega_moe, fp8_weights = moe_fp8.fp8_mega_moe, moe_fp8.fp8_weights
 MegaMoEHandle, bf16_mega_moe, dense_rows = moe_forward.MegaMoEHandle, moe_forward.bf16_mega_moe, moe_forward.dense_rows
 check_expert_ids, check_moe_inputs, gate_up_swiglu = (moe_forward.check_expert_ids, moe_forward.check_moe_inputs,
                                                      moe_forward.gate_up_swiglu)
 build_routing_layout, ep_wait_flags = moe_kernels.build_routing_layout, moe_kernels.ep_wait_flags
 moe_combine_bf16, moe_gather_rows_bf16 = moe_kernels.moe_combine_bf16, moe_kernels.moe_gather_rows_bf16
-moe_swiglu_bwd_bf16 = moe_kernels.moe_swiglu_bwd_bf16
+moe_swiglu_bwd_bf16, moe_swiglu_bwd_fp8 = moe_kernels.moe_swiglu_bwd_bf16, moe_kernels_fp8.moe_swiglu_bwd_fp8
 RoutingLayout = moe_layout.RoutingLayout
 
 stream_write_u32 = _module("jit.runtime").stream_write_u32

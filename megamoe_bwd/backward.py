@@ -11,9 +11,9 @@ runs dA's GEMM and dx's GEMM in passes around the token exchange.
 
 In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy's routed rows are
 quantized once, gathered by the quantization's loads, as rows (dA's GEMM) and per-expert
-columns (dl2's); dA, dx's rows and both
-weight gradients run in FP8, the SwiGLU backward and the combine in bf16 as above; dz is
-quantized once, as rows (dx's GEMM) and columns (dl1's). The weights' FP8 copies are the
+columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
+(`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
+and w * act as columns (dl2's); the combine is bf16 as above. The weights' FP8 copies are the
 forward's (`fp8_weights`: the data gradients read their transposed halves).
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns, fp8_weights,
                        k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
                        m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8, m_grouped_fp8_gemm_nt_contiguous,
-                       moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16, quant_kernels)
+                       moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8, moe_swiglu_bwd_bf16,
+                       moe_swiglu_bwd_fp8, quant_kernels)
 from ._kernels import moe_kernels as kernels
 
 WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -201,8 +202,8 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
-    for name in ("moe_swiglu_bwd", "moe_combine"):
-        kernels.get_kernel(name)
+    moe_kernels_fp8.get_kernel(False)
+    kernels.get_kernel("moe_combine")
 
 
 def _data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -225,16 +226,14 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
     d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
-                                                   act_weighted=d_act)
+    # (dz and w * act leave the SwiGLU backward quantized: rows for dx, columns for dl1 and dl2)
+    dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(h, d_act, layout)
+    del d_act, h
     if not keep_handle:
         handle.h = None
-        torch.autograd.graph.increment_version(h)
-    _, act_cols = fp8_quantize_columns(act_weighted, offsets)
     k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
-    del dy_rows, dy_cols, act_cols, d_act, act_weighted
-    dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
+    del dy_rows, dy_cols, act_cols
 
     def dl1_gemm() -> None:
         _, x_cols = fp8_quantize_columns(x, offsets, row_index=layout.row_token)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deep_gemm.quant import (Fp8Rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              padded_group_width)
 from deep_gemm.quant import reference  # noqa: E402
-from deep_gemm.testing import offsets_from_sizes, poisoned_allocations, random_group_sizes  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, poisoned_allocations, random_group_sizes, same_bits  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
@@ -162,20 +162,15 @@ def test_gathered_columns_are_the_columns_of_the_gathered_rows():
     gathered = torch.where(((index >= 0) & (index < 300))[:, None], x[index.clamp(0, 299)], 0)
     rows, cols = fp8_quantize_columns(x, offsets, row_index=index, with_rows=True)
     ref_rows, ref = fp8_quantize_columns(gathered, offsets, with_rows=True)
-    assert _same_bits(cols.data, ref.data) and _same_bits(cols.scales, ref.scales)
-    assert _same_bits(rows.data, ref_rows.data) and _same_bits(rows.scales, ref_rows.scales)
+    assert same_bits(cols.data, ref.data) and same_bits(cols.scales, ref.scales)
+    assert same_bits(rows.data, ref_rows.data) and same_bits(rows.scales, ref_rows.scales)
 
 
 # GPU: the kernels against the reference, bit for bit.
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
-                                              b.cpu().view(torch.uint8) if b.element_size() == 1 else b.cpu())
-
-
 def _assert_rows_equal(out: Fp8Rows, ref: Fp8Rows, valid_rows=slice(None)):
-    assert _same_bits(out.data[valid_rows], ref.data[valid_rows])
-    assert _same_bits(out.scales[valid_rows], ref.scales[valid_rows])
+    assert same_bits(out.data[valid_rows], ref.data[valid_rows])
+    assert same_bits(out.scales[valid_rows], ref.scales[valid_rows])
 
 
 @requires_sm90
@@ -203,9 +198,9 @@ def test_columns_kernel_equals_the_reference(sizes, k, power_of_two):
                                               power_of_two_scales=power_of_two)
             assert poisoned(cols.data) and poisoned(cols.scales)
         used = int(ref.padded_offsets[-1])
-        assert _same_bits(cols.padded_offsets, ref.padded_offsets)
-        assert _same_bits(cols.data[:, :used], ref.data[:, :used])
-        assert _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+        assert same_bits(cols.padded_offsets, ref.padded_offsets)
+        assert same_bits(cols.data[:, :used], ref.data[:, :used])
+        assert same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
         if with_rows:
             _assert_rows_equal(rows, ref_rows)
         else:
@@ -224,7 +219,7 @@ def test_gathered_columns_kernel_equals_the_reference(sizes, k):
         rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=index.cuda(), with_rows=True)
         assert poisoned(cols.data) and poisoned(cols.scales)
     used = int(ref.padded_offsets[-1])
-    assert _same_bits(cols.data[:, :used], ref.data[:, :used]) and _same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+    assert same_bits(cols.data[:, :used], ref.data[:, :used]) and same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
     _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
 
 
@@ -249,7 +244,7 @@ def test_weights_kernel_equals_the_reference(g, n, k, power_of_two):
         out = fp8_quantize_weights(w.cuda(), power_of_two_scales=power_of_two)
         assert poisoned(out.data) and poisoned(out.data_t)
     ref = reference.fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two)
-    assert _same_bits(out.data, ref.data) and _same_bits(out.data_t, ref.data_t) and _same_bits(out.scales, ref.scales)
+    assert same_bits(out.data, ref.data) and same_bits(out.data_t, ref.data_t) and same_bits(out.scales, ref.scales)
 
 
 @requires_sm90

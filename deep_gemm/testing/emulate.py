@@ -4,6 +4,8 @@ every group, or past the routed rows) are filled with NaN here, so any leak show
 import torch
 import torch.nn.functional as F
 
+from ..quant.reference import fp8_quantize_columns_torch
+
 
 def _bounds(group_offsets: torch.Tensor):
     offsets = group_offsets.tolist()
@@ -122,6 +124,16 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
         t[int(layout.offsets[-1]):] = float("nan")
     dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
+
+
+def moe_swiglu_bwd_fp8(h, d_act, layout, *, power_of_two_scales=False):
+    """Emulates `deep_gemm.moe.kernels_fp8.moe_swiglu_bwd_fp8`: `moe_swiglu_bwd`'s outputs in h's
+    dtype, quantized by the reference (rows of empty slots: NaN)."""
+    dz, act_weighted, row_dw = moe_swiglu_bwd(h, d_act, layout)
+    dz_rows, dz_columns = fp8_quantize_columns_torch(dz, layout.offsets, with_rows=True,
+                                                     power_of_two_scales=power_of_two_scales)
+    _, act_columns = fp8_quantize_columns_torch(act_weighted, layout.offsets, power_of_two_scales=power_of_two_scales)
+    return dz_rows, dz_columns, act_columns, row_dw
 
 
 def ep_wait_flags(flags, sources, timeout_ms):

@@ -19,3 +19,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref_norm == 0.0:
         return torch.linalg.vector_norm(out64).item()
     return torch.linalg.vector_norm(out64 - ref64).item() / ref_norm
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (same shape, each element's bytes compared, so a NaN
+    equals the same NaN), on the CPU."""
+    if a.shape != b.shape or a.element_size() != b.element_size():
+        return False
+    as_ints = lambda t: t.detach().cpu().contiguous().view(_SAME_SIZE_INTS[t.element_size()])  # noqa: E731
+    return torch.equal(as_ints(a), as_ints(b))

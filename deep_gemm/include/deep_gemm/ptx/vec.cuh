@@ -20,13 +20,18 @@ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* ptr, float (&ou
     bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(ptr)), out);
 }
 
-__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* ptr, const float (&in)[kBF16PerVec]) {
+// Eight floats rounded to bf16 (to nearest even), packed.
+__device__ __forceinline__ uint4 float_to_bf16x8(const float (&in)[kBF16PerVec]) {
     uint4 raw;
     auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
     #pragma unroll
     for (uint32_t i = 0; i < kBF16PerVec / 2; ++i)
         pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-    *reinterpret_cast<uint4*>(ptr) = raw;
+    return raw;
+}
+
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* ptr, const float (&in)[kBF16PerVec]) {
+    *reinterpret_cast<uint4*>(ptr) = float_to_bf16x8(in);
 }
 
 // One warp copies a row of `num_vecs` 16-byte vectors, 8 loads in flight per lane before
