@@ -226,6 +226,7 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
     d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
+    del dy_rows
     # (dz and w * act leave the SwiGLU backward quantized: rows for dx, columns for dl1 and dl2)
     dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(h, d_act, layout)
     del d_act, h
@@ -233,7 +234,7 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
         handle.h = None
     k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
-    del dy_rows, dy_cols, act_cols
+    del dy_cols, act_cols
 
     def dl1_gemm() -> None:
         _, x_cols = fp8_quantize_columns(x, offsets, row_index=layout.row_token)
@@ -262,10 +263,11 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
         dl1, dl2: optional existing gradients (fp32 or bf16, contiguous, 16-byte aligned) to
             accumulate into, in place.
-        keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
-            gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
-            so a saved copy of it cannot be reused silently) and a second backward with it
-            raises. True keeps it usable, at that memory cost.
+        keep_handle: by default the handle is consumed and a second backward with it raises:
+            in bf16 its ``h`` is overwritten by its own gradient (2I bf16 per routed slot less
+            peak memory; h's autograd version is bumped, so a saved copy of it cannot be reused
+            silently); in FP8 h is released once read (the gradient leaves quantized). True
+            keeps it usable, at that memory cost.
 
     Returns:
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],

@@ -61,7 +61,7 @@ def moe_swiglu_bwd_fp8(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayo
         raise ValueError(f"the FP8 SwiGLU backward takes 1 to {MAX_GROUPS} experts, got {num_groups}")
     if h.numel() >= 2**31:
         raise ValueError(f"h has {h.numel()} elements: the kernel indexes rows with 32-bit counts")
-    device = check_cuda_devices(h=h, d_act=d_act, offsets=layout.offsets, row_weight=layout.row_weight)
+    device = check_cuda_devices(h=h, d_act=d_act, offsets=layout.offsets, row_weight=layout.row_weight).index
     dz_rows = empty_fp8_rows(rows, 2 * inter, h.device)
     dz_columns = empty_fp8_columns(2 * inter, rows, num_groups, h.device)
     act_columns = empty_fp8_columns(inter, rows, num_groups, h.device, dz_columns.padded_offsets)
