@@ -54,7 +54,9 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
-def _empty_rows(m: int, k: int, device: torch.device) -> Fp8Rows:
+def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
+    """Uninitialised `Fp8Rows` of ``[m, k]`` (k a multiple of 128), for a kernel to write rows
+    quantized per 1 x 128 into: scales column-major, their column stride m rounded up to 4."""
     storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)
     return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
 
@@ -68,7 +70,7 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     if not x.is_cuda:
         return fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two_scales)
     check_cuda_devices(x=x)
-    out = _empty_rows(*x.shape, x.device)
+    out = empty_fp8_rows(*x.shape, x.device)
     m, k = x.shape
     if m:
         _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
@@ -108,7 +110,7 @@ def fp8_quantize_columns(x: torch.Tensor, group_offsets: torch.Tensor, *, row_in
     columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=x.device),
                          torch.empty(width // BLOCK, k, dtype=torch.float32, device=x.device),
                          torch.empty(num_groups + 1, dtype=torch.int32, device=x.device))
-    rows = _empty_rows(m, k, x.device) if with_rows else None
+    rows = empty_fp8_rows(m, k, x.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
     _launch("activations", power_of_two_scales, x.device.index, width // BLOCK * (k // BLOCK), x=x.data_ptr(),
             row_index=0 if row_index is None else row_index.data_ptr(), offsets=group_offsets.data_ptr(),
