@@ -46,7 +46,7 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
                 if label not in seen:  # bf16 accumulation runs one row-copy variant per tile width
                     seen.add(label)
                     out.append((label, functools.partial(k_grouped_bf16.get_kernel, config, dtype, accumulate)))
-    out += [(f"m_grouped_fp8_nt{'_swiglu' if epilogue == mg.SWIGLU_STORE else ''}_{m_grouped_fp8.CONFIGS[n].label}"
+    out += [(f"m_grouped_fp8_nt{m_grouped_fp8.EPILOGUE_LABELS[epilogue]}_{m_grouped_fp8.CONFIGS[n].label}"
              f"{'' if producer == m_grouped_fp8.FP8_TMA_ROWS else '_gathered'}",
              functools.partial(m_grouped_fp8.get_kernel, producer, n, epilogue))
             for producer, n, epilogue in m_grouped_fp8.all_kernels()]

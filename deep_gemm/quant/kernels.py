@@ -54,8 +54,9 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
-def empty_fp8_rows(m: int, k: int, device: torch.device) -> Fp8Rows:
-    """Uninitialised `Fp8Rows` of ``[m, k]`` (scales in the GEMMs' column-major layout)."""
+def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
+    """Uninitialised `Fp8Rows` of ``[m, k]`` (k a multiple of 128), for a kernel to write rows
+    quantized per 1 x 128 into: scales column-major, their column stride m rounded up to 4."""
     storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)
     return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
 

@@ -4,7 +4,7 @@ every group, or past the routed rows) are filled with NaN here, so any leak show
 import torch
 import torch.nn.functional as F
 
-from ..quant.reference import fp8_quantize_columns_torch
+from ..quant.reference import fp8_quantize_columns_torch, fp8_quantize_rows_torch
 
 
 def _bounds(group_offsets: torch.Tensor):
@@ -66,9 +66,17 @@ def m_grouped_fp8_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passe
 
 
 def m_grouped_fp8_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):
-    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous` on the dequantized operands."""
-    m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act, group_offsets,
+    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous` on the dequantized operands;
+    an act given as an e4m3 (data, scales) pair gets the emulated act, rounded to bf16 as the
+    kernel rounds it, quantized per row by the reference."""
+    fp8_act = isinstance(act, (tuple, list))
+    act_out = torch.empty(act[0].shape, dtype=torch.bfloat16, device=act[0].device) if fp8_act else act
+    m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act_out, group_offsets,
                              a_row_index=a_row_index, num_passes=num_passes)
+    if fp8_act:
+        rows = fp8_quantize_rows_torch(act_out)
+        act[0].copy_(rows.data)
+        act[1].copy_(rows.scales)
 
 
 def k_grouped_fp8_gemm_tn(a, b, d, padded_offsets, *, accumulate: bool = False, **_):
