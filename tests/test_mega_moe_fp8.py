@@ -1,7 +1,8 @@
 """Spec of the FP8 Mega MoE layer (`deep_gemm.fp8_mega_moe` and its backward through
 `mega_moe_backward`): every output within 1.5x of the FP8 recipe's own error against the
 float64 spec (`megamoe_bwd.reference_fp8`), on a CPU with the kernels emulated and on a GPU;
-the weights' FP8 copies cached until a weight changes; bad input refused before any work.
+the weights' FP8 copies cached until a weight changes; CUDA-graph capture and torch.compile;
+bad input refused before any work.
 """
 from __future__ import annotations
 
@@ -135,6 +136,28 @@ def test_autograd_layer_in_fp8_is_the_direct_calls():
     through = (y, leaves["x"].grad, leaves["topk_weights"].grad, leaves["l1"].grad, leaves["l2"].grad)
     for name, a, b in zip(OUTPUTS, direct, through):
         assert torch.equal(a.to(b.dtype), b), name
+
+
+@requires_sm90
+def test_the_fp8_layer_captures_into_a_cuda_graph():
+    """No host sync on the FP8 path: forward and backward capture into one CUDA graph (the
+    weights are quantized inside it: `fp8_weights` bypasses its cache under capture), and the
+    replay gives the eager step's outputs bit for bit."""
+    from deep_gemm.testing import eager_and_graph_replay
+    p = make_moe_inputs(256, 256, 256, 8, 4, device="cuda", routing="skewed", empty_slot_frac=0.1, seed=5)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
+    eager, captured = eager_and_graph_replay(lambda: _gpu_layer(*args))
+    for name, a, b in zip(OUTPUTS, eager, captured):
+        assert torch.equal(a, b), name
+
+
+@requires_sm90
+def test_torch_compile_keeps_the_fp8_op_whole():
+    from megamoe_bwd import mega_moe
+    p = make_moe_inputs(64, 256, 128, 4, 2, device="cuda", seed=6)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
+    compiled = torch.compile(lambda *a: mega_moe(*a, fp8=True), fullgraph=True)
+    assert torch.equal(compiled(*args), mega_moe(*args, fp8=True))
 
 
 @pytest.mark.parametrize("fused", [False, True])
