@@ -73,10 +73,13 @@ def m_grouped_fp8_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=Non
     act_out = torch.empty(act[0].shape, dtype=torch.bfloat16, device=act[0].device) if fp8_act else act
     m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act_out, group_offsets,
                              a_row_index=a_row_index, num_passes=num_passes)
-    if fp8_act:
+    if fp8_act:  # (rows outside every group: NaN data and scales, as unwritten rows are here)
         rows = fp8_quantize_rows_torch(act_out)
+        written = torch.zeros(act_out.shape[0], dtype=torch.bool, device=act_out.device)
+        for start, end in _bounds(group_offsets):
+            written[start:end] = True
         act[0].copy_(rows.data)
-        act[1].copy_(rows.scales)
+        act[1].copy_(torch.where(written[:, None], rows.scales, float("nan")))
 
 
 def k_grouped_fp8_gemm_tn(a, b, d, padded_offsets, *, accumulate: bool = False, **_):
