@@ -26,15 +26,17 @@ m_grouped_bf16_gemm_nt_contiguous = gemm.m_grouped_bf16_gemm_nt_contiguous
 k_grouped_fp8, m_grouped_fp8 = _module("gemm.k_grouped_fp8"), _module("gemm.m_grouped_fp8")
 k_grouped_fp8_gemm_tn_contiguous = gemm.k_grouped_fp8_gemm_tn_contiguous
 m_grouped_fp8_gemm_nt_contiguous = gemm.m_grouped_fp8_gemm_nt_contiguous
+m_grouped_fp8_gemm_nt_swiglu_contiguous = gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous
 quant = _module("quant")
 quant_reference = _module("quant.reference")
 quant_kernels = _module("quant.kernels")
-fp8_quantize_columns = quant.fp8_quantize_columns
+fp8_quantize_columns, fp8_quantize_rows, Fp8Rows = quant.fp8_quantize_columns, quant.fp8_quantize_rows, quant.Fp8Rows
 
 moe_forward, moe_kernels, moe_layout = _module("moe.forward"), _module("moe.kernels"), _module("moe.layout")
 moe_fp8, moe_kernels_fp8 = _module("moe.fp8"), _module("moe.kernels_fp8")
-fp8_mega_moe, fp8_weights = moe_fp8.fp8_mega_moe, moe_fp8.fp8_weights
+fp8_mega_moe, fp8_weights, FP8_DIM_MULTIPLE = moe_fp8.fp8_mega_moe, moe_fp8.fp8_weights, moe_fp8.FP8_DIM_MULTIPLE
 MegaMoEHandle, bf16_mega_moe, dense_rows = moe_forward.MegaMoEHandle, moe_forward.bf16_mega_moe, moe_forward.dense_rows
+DIM_MULTIPLE = moe_forward.DIM_MULTIPLE
 check_expert_ids, check_moe_inputs, gate_up_swiglu = (moe_forward.check_expert_ids, moe_forward.check_moe_inputs,
                                                      moe_forward.gate_up_swiglu)
 build_routing_layout, ep_wait_flags = moe_kernels.build_routing_layout, moe_kernels.ep_wait_flags

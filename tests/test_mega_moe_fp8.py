@@ -115,7 +115,7 @@ def test_cpu_tensors_are_refused():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(hidden=192, intermediate=128), "multiples of 128"),
-    (dict(hidden=256, intermediate=128, group=object()), "runs on one GPU"),
+    (dict(hidden=256, intermediate=128, group=object()), "'nvlink' backend only"),
 ])
 def test_the_module_refuses_what_fp8_cannot_run(kwargs, match):
     from megamoe_bwd import MegaMoE

@@ -26,20 +26,23 @@ from typing import Callable, Optional
 
 import torch
 
-from .._kernels import RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
+from .._kernels import Fp8Rows, RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
 
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
 
+FORWARD, BACKWARD, FP8 = 0, 1, 2  # an exchange's kind: its direction, plus FP8 for quantized tokens
+
+
 def announce_call(buffer: SymmBuffer, kind: int) -> None:
-    """Writes which exchange this rank is in (its count of exchanges, and `kind`: 0 forward,
-    1 backward) into every rank's buffer at the start of an exchange, then `check_calls` after
-    its first barrier. Ranks that disagree (one skipped a layer's backward,
-    or raised on its own) would otherwise pair up the wrong barriers and read each other's
-    half-written rows; this stops them with an error instead."""
+    """Writes which exchange this rank is in (its count of exchanges, and `kind`: FORWARD or
+    BACKWARD, plus FP8) into every rank's buffer at the start of an exchange, then `check_calls`
+    after its first barrier. Ranks that disagree (one skipped a layer's backward, raised on its
+    own, or staged bf16 tokens where the others read FP8) would otherwise pair up the wrong
+    barriers or read each other's rows wrongly; this stops them with an error instead."""
     buffer.num_calls += 1
     for peer_calls in buffer.region("calls").tensors:
-        peer_calls[buffer.rank:buffer.rank + 1].fill_(2 * buffer.num_calls + kind)
+        peer_calls[buffer.rank:buffer.rank + 1].fill_(4 * buffer.num_calls + kind)
 
 
 def check_calls(buffer: SymmBuffer) -> None:
@@ -47,20 +50,21 @@ def check_calls(buffer: SymmBuffer) -> None:
     everyone's results it may announce its next exchange."""
     calls = buffer.local["calls"]
     same = (calls == calls[buffer.rank]).all()
-    message = "expert-parallel ranks are in different layer calls (one skipped a forward or backward?)"
+    message = ("expert-parallel ranks are in different layer calls (one skipped a forward or backward, or ranks "
+               "disagree on fp8?)")
     if calls.is_cuda:
         torch._assert_async(same, message)
     elif not bool(same):
         raise RuntimeError(message)
 
 
-def exchange_token_counts(buffer: SymmBuffer, num_tokens: int) -> torch.Tensor:
+def exchange_token_counts(buffer: SymmBuffer, num_tokens: int, fp8: bool = False) -> torch.Tensor:
     """Starts a forward exchange: collective over the buffer's group (one barrier). Returns every
     rank's token count, int32 ``[world]`` on the GPU. Whatever a rank staged in its buffer before
     this call is readable by the others after it. The caller runs `check_calls` next."""
     # No barrier first: every exchange ends with `gather_partials`, which a rank passes only
     # once every other rank has sent its partial sums, after its last read of this rank's buffer.
-    announce_call(buffer, 0)
+    announce_call(buffer, FORWARD + (FP8 if fp8 else 0))
     for peer_tokens in buffer.region("num_tokens").tensors:
         peer_tokens[buffer.rank:buffer.rank + 1].fill_(num_tokens)
     buffer.barrier()
@@ -99,23 +103,66 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
     rows = own.new_empty(world * max_tokens, own.shape[1])
     rows[:own.shape[0]].copy_(own)
     peers = buffer.region(region).tensors
-    stream, flags = buffer.copy_stream, buffer.ready_flags
 
-    def copy_all() -> None:
-        for s in range(1, world):
-            rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])  # contiguous: a copy engine
-            if stream is not None:
-                stream_write_u32(flags[s:].data_ptr(), 1, own.device.index)
+    def copy_pass(s: int) -> None:  # contiguous: a copy engine
+        rows[s * max_tokens:(s + 1) * max_tokens].copy_(peers[(me + s) % world])
 
+    return rows, _pull(buffer, own.device, run_offsets, copy_pass, (rows,))
+
+
+def pull_fp8_tokens(own: Fp8Rows, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor
+                    ) -> tuple[Fp8Rows, RowArrival]:
+    """`pull_tokens` for the FP8 exchange: every rank staged its rows of `region` quantized per
+    1 x 128 (`SymmBuffer.fp8_region`), about half the bf16 bytes; returns them in pass order as
+    `Fp8Rows` ``[world * M, H]`` (scales column-major, as the FP8 GEMMs read them) and their
+    `RowArrival`. Each pass copies its data rows and its H / 128 rows of scales."""
+    world, me, max_tokens = buffer.world, buffer.rank, buffer.max_tokens
+    num_tokens, hidden = own.data.shape
+    total = world * max_tokens
+    data = own.data.new_empty(total, hidden)
+    scale_storage = own.scales.new_empty(hidden // 128, -(-total // 4) * 4)  # (a 16-byte aligned column stride)
+    scales = scale_storage[:, :total]
+    data[:num_tokens].copy_(own.data)
+    scales[:, :num_tokens].copy_(own.scales.T)
+    peer_data, peer_scales = (r.tensors for r in buffer.fp8_region(region))
+
+    def copy_pass(s: int) -> None:  # contiguous pieces: copy engines
+        peer = (me + s) % world
+        data[s * max_tokens:(s + 1) * max_tokens].copy_(peer_data[peer])
+        for kb in range(hidden // 128):
+            scales[kb, s * max_tokens:(s + 1) * max_tokens].copy_(peer_scales[peer][kb])
+
+    arrival = _pull(buffer, own.data.device, run_offsets, copy_pass, (data, scale_storage))
+    return Fp8Rows(data, scales.T), arrival
+
+
+def stage_fp8_tokens(rows: Fp8Rows, buffer: SymmBuffer, region: str) -> None:
+    """Writes this rank's quantized rows into its own `region` for the others' `pull_fp8_tokens`."""
+    data, scales = (r.tensors[buffer.rank] for r in buffer.fp8_region(region))
+    num_tokens = rows.data.shape[0]
+    data[:num_tokens].copy_(rows.data)
+    scales[:, :num_tokens].copy_(rows.scales.T)
+
+
+def _pull(buffer: SymmBuffer, device: torch.device, run_offsets: torch.Tensor, copy_pass: Callable[[int], None],
+          outputs: tuple) -> RowArrival:
+    """Runs ``copy_pass(s)`` for the passes s = 1..S-1 (the other ranks' rows) on the buffer's copy
+    stream, each followed by its ready flag; synchronously on the CPU. `outputs` are the tensors
+    the copies write (kept from reuse until they are done)."""
+    world, stream, flags = buffer.world, buffer.copy_stream, buffer.ready_flags
     if stream is None:
-        copy_all()
-        return rows, RowArrival(run_offsets, world, None, lambda: None)
+        for s in range(1, world):
+            copy_pass(s)
+        return RowArrival(run_offsets, world, None, lambda: None)
 
-    current = torch.cuda.current_stream(own.device)
+    current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # after the barrier: the peers' rows are staged
     with torch.cuda.stream(stream):
-        copy_all()
-    rows.record_stream(stream)  # not reused before the copies into it are done, whatever happens
+        for s in range(1, world):
+            copy_pass(s)
+            stream_write_u32(flags[s:].data_ptr(), 1, device.index)
+    for t in outputs:
+        t.record_stream(stream)  # not reused before the copies into it are done, whatever happens
 
     joined = []
 
@@ -125,7 +172,7 @@ def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets:
             current.wait_stream(stream)
             flags.zero_()  # after the GEMM that waited on them, before the next exchange sets them
 
-    return rows, RowArrival(run_offsets, world, flags, join)
+    return RowArrival(run_offsets, world, flags, join)
 
 
 def _token_slots(layout: RoutingLayout, begin: int, end: int) -> RoutingLayout:

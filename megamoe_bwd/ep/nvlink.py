@@ -15,18 +15,23 @@ Backward: stage dy -> barrier -> the copy engines pull the other ranks' dy while
           other ranks' dx sums (and routing-weight gradients) the same way as the forward's GEMM2.
 Weight gradients stay with the expert's rank; dx and dtopk_weights return to the token's. No
 NCCL, no host synchronisation, one barrier per exchange. The exchange itself: exchange.py.
+With fp8 the expert GEMMs run in blockwise FP8 and x and dy travel quantized per 1 x 128
+(`pull_fp8_tokens`); results travel back in bf16.
 """
 from __future__ import annotations
 
 import torch
 
-from .._kernels import (MegaMoEHandle, RoutingLayout, build_routing_layout, check_expert_ids, check_moe_inputs,
-                        gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
-                        moe_gather_rows_bf16)
+from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
+                        check_expert_ids, check_moe_inputs, fp8_quantize_columns, fp8_quantize_rows, fp8_weights,
+                        gate_up_swiglu, k_grouped_fp8_gemm_tn_contiguous, m_grouped_bf16_gemm_nn_contiguous,
+                        m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous,
+                        m_grouped_fp8_gemm_nt_swiglu_contiguous, moe_gather_rows_bf16, moe_swiglu_bwd_bf16,
+                        quant_kernels, quant_reference)
 
 from ..backward import SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads
-from .exchange import (announce_call, check_calls, exchange_token_counts, gather_partials, gemm_other_ranks_first,
-                       pull_tokens, send_partials)
+from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
+                       gemm_other_ranks_first, pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
 from .symm import SymmBuffer
 
 
@@ -37,13 +42,19 @@ def _stage(region: torch.Tensor, t: torch.Tensor) -> None:
 
 class _NvlinkMegaMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer: SymmBuffer):
+    def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer: SymmBuffer, fp8: bool):
         with buffer.exchange():
             num_tokens, num_topk = topk_idx.shape
             me, world, num_local, max_tokens = buffer.rank, buffer.world, buffer.num_local_experts, buffer.max_tokens
-            for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights.to(torch.float32))):
+            # In FP8 each rank quantizes its tokens once and the others pull them quantized.
+            x_fp8 = fp8_quantize_rows(x) if fp8 else None
+            if fp8:  # (the weights' copies before the barrier: GEMM1 then follows the pulls' start at once)
+                stage_fp8_tokens(x_fp8, buffer, "x")
+                weights_fp8 = fp8_weights(l1), fp8_weights(l2)
+            for name, t in ((("x", x),) if not fp8 else ()) + (("topk_idx", topk_idx),
+                                                                ("topk_weights", topk_weights.to(torch.float32))):
                 _stage(buffer.local[name], t)
-            source_tokens = exchange_token_counts(buffer, num_tokens)
+            source_tokens = exchange_token_counts(buffer, num_tokens, fp8)
             check_calls(buffer)
 
             # Every rank's tokens in pass order (pass s: rank (me + s) % world), [pass, token, slot],
@@ -62,57 +73,76 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             runs = build_routing_layout(keys, local_weights, num_local * world)
             layout = RoutingLayout(runs.offsets[::world].contiguous(), runs.row_token, runs.row_weight, runs.slot_row,
                                    runs.slot_valid)
-            recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
-            try:  # GEMM1 gathers x's rows pass by pass as they land
-                h, act = gate_up_swiglu(recv_x, l1, runs.offsets, layout.row_token, num_passes=world,
-                                        ready_flags=arrival.ready_flags)
-            finally:  # (also when it raised: the copies write into recv_x)
-                arrival.join()
-            rows = recv_x.new_empty(layout.num_slots, x.shape[1])
-            gemm_other_ranks_first(m_grouped_bf16_gemm_nt_contiguous, act, l2, rows, arrival,
+            if fp8:
+                recv_x, arrival = pull_fp8_tokens(x_fp8, buffer, "x", runs.offsets)
+                h, act, gemm2, l2_operand = _fp8_gate_up_swiglu(recv_x, *weights_fp8, runs.offsets, layout, arrival)
+            else:
+                recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
+                try:  # GEMM1 gathers x's rows pass by pass as they land
+                    h, act = gate_up_swiglu(recv_x, l1, runs.offsets, layout.row_token, num_passes=world,
+                                            ready_flags=arrival.ready_flags)
+                finally:  # (also when it raised: the copies write into recv_x)
+                    arrival.join()
+                gemm2, l2_operand = m_grouped_bf16_gemm_nt_contiguous, l2
+            rows = x.new_empty(layout.num_slots, x.shape[1])
+            gemm_other_ranks_first(gemm2, act, l2_operand, rows, arrival,
                                    lambda rows: send_partials(rows, layout, local_weights, buffer))
             del act
             y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
             del rows
-            ctx.buffer, ctx.weights_dtype = buffer, topk_weights.dtype
-            ctx.save_for_backward(l1, l2, recv_x, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
-                                  layout.slot_row, layout.slot_valid)
+            ctx.buffer, ctx.weights_dtype, ctx.fp8 = buffer, topk_weights.dtype, fp8
+            saved_x = (recv_x.data, recv_x.scales) if fp8 else (recv_x,)
+            ctx.save_for_backward(l1, l2, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
+                                  layout.slot_row, layout.slot_valid, *saved_x)
             return y
 
     @staticmethod
     def backward(ctx, dy):
-        l1, l2, recv_x, h, run_offsets, offsets, row_token, row_weight, slot_row, slot_valid = ctx.saved_tensors
+        l1, l2, h, run_offsets, offsets, row_token, row_weight, slot_row, slot_valid, *saved_x = ctx.saved_tensors
         buffer: SymmBuffer = ctx.buffer
         world, max_tokens = buffer.world, buffer.max_tokens
         num_tokens, num_topk = dy.shape[0], slot_row.shape[1]
         with buffer.exchange():
             dy = dy.contiguous()
-            _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
-            announce_call(buffer, 1)  # (no barrier before: see exchange_token_counts)
+            dy_fp8 = fp8_quantize_rows(dy) if ctx.fp8 else None
+            if ctx.fp8:
+                stage_fp8_tokens(dy_fp8, buffer, "dy")
+            else:
+                _stage(buffer.local["dy"], dy)  # the last pulls of this region ended before their exchange's end
+            announce_call(buffer, BACKWARD + (FP8 if ctx.fp8 else 0))  # (no barrier before: see exchange_token_counts)
             buffer.barrier()
             check_calls(buffer)
-            recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
             layout = RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid)
             grads = weight_grads(l1, l2, l1.dtype)
-            d_act = recv_dy.new_empty(layout.num_slots, l2.shape[2])
-            try:  # dA's GEMM gathers dy's rows pass by pass as they land
-                m_grouped_bf16_gemm_nn_contiguous(recv_dy, l2, d_act, run_offsets, a_row_index=row_token,
-                                                  num_passes=world, ready_flags=arrival.ready_flags)
-            finally:
-                arrival.join()
-            dy_rows = moe_gather_rows_bf16(recv_dy, layout)  # dl2's operand
-            dz, row_dw = swiglu_backward_and_dl2(MegaMoEHandle(layout, recv_x, h), dy_rows, d_act, grads,
-                                                 keep_handle=False)
-            del h, dy_rows, d_act
+            if ctx.fp8:
+                recv_x = Fp8Rows(*saved_x)
+                recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
+                dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2, layout, arrival, grads)
+                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, _transposed(fp8_weights(l1))
+            else:
+                (recv_x,) = saved_x
+                recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
+                d_act = recv_dy.new_empty(layout.num_slots, l2.shape[2])
+                try:  # dA's GEMM gathers dy's rows pass by pass as they land
+                    m_grouped_bf16_gemm_nn_contiguous(recv_dy, l2, d_act, run_offsets, a_row_index=row_token,
+                                                      num_passes=world, ready_flags=arrival.ready_flags)
+                finally:
+                    arrival.join()
+                dy_rows = moe_gather_rows_bf16(recv_dy, layout)  # dl2's operand
+                dz, row_dw = swiglu_backward_and_dl2(MegaMoEHandle(layout, recv_x, h), dy_rows, d_act, grads,
+                                                     keep_handle=False)
+                del dy_rows, d_act
+                dx_gemm, dz_operand, l1_operand = m_grouped_bf16_gemm_nn_contiguous, dz, l1
+            del h
             d_recv_weights = routing_weight_grad(row_dw, layout)
-            dx_rows = dz.new_empty(layout.num_slots, recv_x.shape[1])
+            dx_rows = dy.new_empty(layout.num_slots, l1.shape[2])
             with SideStream(dy.device) as side:
                 def send(rows: torch.Tensor) -> None:
                     send_partials(rows, layout, None, buffer, dw=d_recv_weights)
                     # Queued after the sends' combine, which would otherwise wait for dl1's GEMM.
-                    side.run(lambda: dl1_gemm(dz, recv_x, layout, grads))
+                    side.run(dl1_gemm_fp8 if ctx.fp8 else lambda: dl1_gemm(dz, recv_x, layout, grads))
 
-                gemm_other_ranks_first(m_grouped_bf16_gemm_nn_contiguous, dz, l1, dx_rows, arrival, send)
+                gemm_other_ranks_first(dx_gemm, dz_operand, l1_operand, dx_rows, arrival, send)
                 dx = gather_partials(dx_rows, layout, None, buffer, dy.new_empty(dy.shape))
             del dx_rows
             # Each slot's gradient comes from the rank holding its expert; the others' are zeros.
@@ -120,11 +150,75 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             if world > 1:
                 from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
                 dtopk_weights = dtopk_weights + from_others.sum(0)
-            return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.dl1, grads.dl2, None
+            return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.dl1, grads.dl2, None, None
+
+
+def _transposed(w):
+    """The data gradients' B: a weight's transposed FP8 copy and its scales."""
+    return w.data_t, w.scales.transpose(1, 2)
+
+
+def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
+    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass, SwiGLU in its epilogue;
+    w1, w2 the weights' FP8 copies), its activation quantized per row; returns h, act's FP8
+    operand, GEMM2 and its B."""
+    h = recv_x.data.new_empty(layout.num_slots, w1.data.shape[1], dtype=torch.bfloat16)
+    act = h.new_empty(layout.num_slots, w1.data.shape[1] // 2)
+    try:
+        m_grouped_fp8_gemm_nt_swiglu_contiguous((recv_x.data, recv_x.scales), (w1.data, w1.scales), h, act, run_offsets,
+                                                a_row_index=layout.row_token, num_passes=arrival.num_passes,
+                                                ready_flags=arrival.ready_flags)
+    finally:  # (also when it raised: the copies write into recv_x)
+        arrival.join()
+    act_fp8 = fp8_quantize_rows(act)
+    return h, (act_fp8.data, act_fp8.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
+
+
+def _dequantized_rows(rows: Fp8Rows) -> torch.Tensor:
+    """bf16 values of FP8 rows: the weight gradients' column copies are made from them here, the
+    only copy of the other ranks' tokens on this rank (docs/DESIGN.md, "The FP8 layer")."""
+    return quant_reference.dequantize_rows(rows).to(torch.bfloat16)
+
+
+def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: torch.Tensor, layout: RoutingLayout,
+                       arrival, grads):
+    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, the SwiGLU backward, dl2;
+    returns (dz's FP8 rows, row_dw, dl1's GEMM to run beside dx's)."""
+    offsets = layout.offsets
+    d_act = h.new_empty(layout.num_slots, l2.shape[2])
+    try:  # dA's GEMM gathers dy's rows pass by pass as they land
+        m_grouped_fp8_gemm_nt_contiguous((recv_dy.data, recv_dy.scales), _transposed(fp8_weights(l2)), d_act,
+                                         arrival.run_offsets, a_row_index=layout.row_token,
+                                         num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
+    finally:
+        arrival.join()
+    _, dy_cols = fp8_quantize_columns(_dequantized_rows(recv_dy), offsets, row_index=layout.row_token)
+    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=h, act_weighted=d_act)
+    torch.autograd.graph.increment_version(h)  # (dz is written over it: a second backward must not read it)
+    _, act_cols = fp8_quantize_columns(act_weighted, offsets)
+    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
+                                     dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
+    del dy_cols, act_cols, act_weighted, d_act
+    dz_rows, dz_cols = fp8_quantize_columns(dz, offsets, with_rows=True)
+
+    def dl1_gemm_fp8() -> None:
+        _, x_cols = fp8_quantize_columns(_dequantized_rows(recv_x), offsets, row_index=layout.row_token)
+        k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
+                                         dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
+
+    return (dz_rows.data, dz_rows.scales), row_dw, dl1_gemm_fp8
+
+
+def fp8_exchange_fits(buffer: SymmBuffer, num_local_experts: int, inter: int) -> bool:
+    """Whether the FP8 path takes a layer on `buffer`: its backward quantizes all
+    ``world * max_tokens * K`` routed rows of ``max(H, 2I)`` in one pass (32-bit element counts),
+    over at most MAX_GROUPS local experts."""
+    rows = buffer.world * buffer.max_tokens * buffer.num_topk
+    return rows * max(buffer.hidden, 2 * inter) < 2**31 and num_local_experts <= quant_kernels.MAX_GROUPS
 
 
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                       l2: torch.Tensor, buffer: SymmBuffer) -> torch.Tensor:
+                       l2: torch.Tensor, buffer: SymmBuffer, *, fp8: bool = False) -> torch.Tensor:
     """This rank's ``y [T, H]`` of an MoE layer whose experts are spread over the buffer's
     group, exchanging tokens through `buffer` (`megamoe_bwd.ep.get_symm_buffer_for_mega_moe`).
     Differentiable: gradients reach x and topk_weights (on this rank) and this rank's l1, l2.
@@ -136,11 +230,20 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
         topk_weights: ``[T, K]`` float.
         l1: ``[E_local, 2I, H]``, l2 ``[E_local, H, I]`` bf16: this rank's experts, global ids
             ``rank * E_local + j``.
+        fp8: the expert GEMMs in blockwise FP8 (`deep_gemm.fp8_mega_moe`'s recipe; H and I
+            multiples of 128), and the exchange moves tokens quantized per 1 x 128: x in the
+            forward, dy in the backward, about half the bf16 bytes. The weight gradients' column
+            copies are then made from those FP8 rows dequantized, the only copy of the other
+            ranks' tokens here (docs/DESIGN.md, "The FP8 layer"). An x staged in the buffer's
+            region by the caller is overwritten there by its quantized rows.
 
     Collective: every rank of the group calls it for the same layer, in the same order.
     Expert ids outside ``[-1, E)`` fail an asynchronous device assert (a ValueError on the CPU).
     """
-    num_tokens, hidden, _, num_local, num_topk = check_moe_inputs(x, topk_idx, topk_weights, l1, l2)
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    num_tokens, hidden, inter, num_local, num_topk = check_moe_inputs(x, topk_idx, topk_weights, l1, l2,
+                                                                      FP8_DIM_MULTIPLE if fp8 else DIM_MULTIPLE)
     if not isinstance(buffer, SymmBuffer):
         raise TypeError(f"buffer must be a SymmBuffer (get_symm_buffer_for_mega_moe), got {type(buffer).__name__}")
     if x.device != buffer.local["x"].device:
@@ -149,5 +252,9 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     if num_local != buffer.num_local_experts:
         raise ValueError(f"l1 holds {num_local} experts; the buffer splits {buffer.num_experts} experts over "
                          f"{buffer.world} ranks ({buffer.num_local_experts} each)")
+    if fp8 and not fp8_exchange_fits(buffer, num_local, inter):
+        raise ValueError(f"fp8: the backward quantizes [world * max tokens * K, max(H, 2I)] = [{buffer.world} * "
+                         f"{buffer.max_tokens} * {num_topk}, {max(hidden, 2 * inter)}] in one pass, which takes fewer "
+                         f"than 2^31 elements, and at most {quant_kernels.MAX_GROUPS} local experts")
     check_expert_ids(topk_idx, buffer.num_experts, sync=not x.is_cuda)
-    return _NvlinkMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer)
+    return _NvlinkMegaMoE.apply(x.contiguous(), topk_idx, topk_weights, l1, l2, buffer, fp8)

@@ -128,6 +128,19 @@ class SymmBuffer:
     def region(self, name: str) -> PeerRegion:
         return self._regions_by_name[name]
 
+    def fp8_region(self, name: str) -> tuple[PeerRegion, PeerRegion]:
+        """A token region ("x", "dy": bf16 ``[M, H]``) as the FP8 exchange fills it, in the same
+        bytes: every rank's rows quantized per 1 x 128, data ``[M, H]`` float8_e4m3fn and scales
+        ``[H / 128, M]`` fp32 (the GEMMs' column-major layout, one row per 128 columns). H is a
+        multiple of 128, so both fit in the bf16 rows' 2 bytes an element."""
+        if self.hidden % 128:
+            raise ValueError(f"the FP8 exchange needs H a multiple of 128, got {self.hidden}")
+        m, h = self.max_tokens, self.hidden
+        raw = [t.view(torch.uint8).view(-1) for t in self.region(name).tensors]
+        data = tuple(r[:m * h].view(torch.float8_e4m3fn).view(m, h) for r in raw)
+        scales = tuple(r[m * h:m * h + 4 * m * (h // 128)].view(torch.float32).view(h // 128, m) for r in raw)
+        return PeerRegion(data), PeerRegion(scales)
+
     def barrier(self) -> None:
         self._barrier()
 
