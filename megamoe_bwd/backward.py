@@ -9,9 +9,9 @@ are copied to routed order first: they feed two GEMMs each (docs/PERF.md, "Decis
 The steps are building blocks of the expert-parallel backward too (megamoe_bwd.ep), which
 runs dA's GEMM and dx's GEMM in passes around the token exchange.
 
-In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy's routed rows are
-quantized once, gathered by the quantization's loads, as rows (dA's GEMM) and per-expert
-columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
+In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy is quantized per
+token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quantization's
+loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
 (`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
 and w * act as columns (dl2's); the combine is bf16 as above. The weights' FP8 copies are the
 forward's (`fp8_weights`: the data gradients read their transposed halves).
@@ -24,11 +24,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns, fp8_weights,
-                       k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
-                       m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8, m_grouped_fp8_gemm_nt_contiguous,
-                       moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8, moe_swiglu_bwd_bf16,
-                       moe_swiglu_bwd_fp8, quant_kernels)
+from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns,
+                       fp8_quantize_rows, fp8_weights, k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8,
+                       k_grouped_fp8_gemm_tn_contiguous, m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8,
+                       m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8,
+                       moe_swiglu_bwd_bf16, moe_swiglu_bwd_fp8, quant_kernels)
 from ._kernels import moe_kernels as kernels
 
 WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -197,8 +197,9 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
 def build_fp8_kernels(grads: WeightGrads) -> None:
     """Compiles (or reads from the disk cache) every kernel the FP8 backward launches, before it
     changes anything."""
-    for n in (grads.dl2.shape[2], grads.dl1.shape[2]):  # dA's N is I, dx's H
-        m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS, m_grouped_fp8.get_config(n).block_n)
+    for producer, n in ((m_grouped_fp8.FP8_GATHERED_ROWS, grads.dl2.shape[2]),  # dA (N = I), gathering dy's rows
+                        (m_grouped_fp8.FP8_TMA_ROWS, grads.dl1.shape[2])):  # dx (N = H)
+        m_grouped_fp8.get_kernel(producer, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
@@ -206,11 +207,13 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     kernels.get_kernel("moe_combine")
 
 
-def _data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``
-    (its transposed copy: FP8 MMAs read both operands K-major)."""
+def _data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor,
+                   row_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` (routed row r = ``rows[row_index[r]]`` with
+    `row_index`) and the `Fp8Weights` of w ``[E, N, K]`` (its transposed copy: FP8 MMAs read both
+    operands K-major)."""
     m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), (weights.data_t, weights.scales.transpose(1, 2)), out,
-                                     offsets)
+                                     offsets, a_row_index=row_index)
     return out
 
 
@@ -224,9 +227,13 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
         build_fp8_kernels(grads)
     w1, w2 = fp8_weights(l1), fp8_weights(l2)
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
-    dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
-    d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
-    del dy_rows
+    # dy quantized per token as rows (dA's GEMM gathers them: T rows written, not T * K) and, from
+    # its routed rows gathered by the loads, per expert as columns (dl2's)
+    dy_dense = dense_rows(dy)
+    dy_rows = fp8_quantize_rows(dy_dense)
+    _, dy_cols = fp8_quantize_columns(dy_dense, offsets, row_index=layout.row_token)
+    d_act = _data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets, layout.row_token)
+    del dy_rows, dy_dense
     # (dz and w * act leave the SwiGLU backward quantized: rows for dx, columns for dl1 and dl2)
     dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(h, d_act, layout)
     del d_act, h
