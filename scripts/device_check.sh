@@ -37,7 +37,7 @@ if has tests; then
   # its CUDA context and a hang kills its process, and neither should take later groups along.
   run_tests() {
     local name=$1 limit=$2; shift 2
-    [[ ",${TEST_GROUPS:-gemm,gather,swiglu,moe,integ,other}," == *",$name,"* ]] || return 0
+    [[ ",${TEST_GROUPS:-gemm,gather,swiglu,moe,integ,fp8,other}," == *",$name,"* ]] || return 0
     timeout -s KILL "$limit" python3 -m pytest -q -rf --maxfail=30 --timeout 60 --timeout-method=thread \
       -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_$name.log" | tail -${TEST_TAIL:-6} | sed "s/^/[$name] /"
   }
@@ -46,7 +46,10 @@ if has tests; then
   run_tests swiglu 60 tests/test_grouped_gemm.py -k swiglu
   run_tests moe 150 tests/test_mega_moe.py
   run_tests integ 300 tests/test_integrations.py  # (torch.compile of two models)
-  run_tests other 90 tests --ignore=tests/test_grouped_gemm.py --ignore=tests/test_mega_moe.py --ignore=tests/test_integrations.py
+  run_tests fp8 240 tests/test_fp8_gemm.py tests/test_fp8_quant.py tests/test_mega_moe_fp8.py
+  run_tests other 240 tests --ignore=tests/test_grouped_gemm.py --ignore=tests/test_mega_moe.py \
+    --ignore=tests/test_integrations.py --ignore=tests/test_fp8_gemm.py --ignore=tests/test_fp8_quant.py \
+    --ignore=tests/test_mega_moe_fp8.py
 fi
 if has sass; then
   for d in "$DG_JIT_CACHE_DIR"/cache/sm90_*; do
