@@ -21,6 +21,7 @@ import torch
 from .gemm import k_grouped_bf16, k_grouped_fp8, m_grouped_bf16, m_grouped_fp8
 from .jit.runtime import Kernel
 from .moe import kernels as moe_kernels
+from .moe import kernels_fp8 as moe_kernels_fp8
 from .quant import kernels as quant_kernels
 
 
@@ -45,13 +46,15 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
                 if label not in seen:  # bf16 accumulation runs one row-copy variant per tile width
                     seen.add(label)
                     out.append((label, functools.partial(k_grouped_bf16.get_kernel, config, dtype, accumulate)))
-    out += [(f"m_grouped_fp8_nt{'_swiglu' if epilogue == mg.SWIGLU_STORE else ''}_{m_grouped_fp8.CONFIGS[n].label}"
+    out += [(f"m_grouped_fp8_nt{m_grouped_fp8.EPILOGUE_LABELS[epilogue]}_{m_grouped_fp8.CONFIGS[n].label}"
              f"{'' if producer == m_grouped_fp8.FP8_TMA_ROWS else '_gathered'}",
              functools.partial(m_grouped_fp8.get_kernel, producer, n, epilogue))
             for producer, n, epilogue in m_grouped_fp8.all_kernels()]
     out += [(f"k_grouped_fp8_{str(dtype)[6:]}_{'acc' if accumulate else 'set'}",
              functools.partial(k_grouped_fp8.get_kernel, dtype, accumulate)) for dtype, accumulate in k_grouped_fp8.all_kernels()]
     out += [(name, functools.partial(moe_kernels.get_kernel, name)) for name in moe_kernels.all_kernels()]
+    out += [(f"moe_swiglu_bwd_fp8{'_pow2' if pow2 else ''}", functools.partial(moe_kernels_fp8.get_kernel, pow2))
+            for pow2 in moe_kernels_fp8.all_kernels()]
     out += [(f"fp8_quantize_{name}{'_pow2' if pow2 else ''}", functools.partial(quant_kernels.get_kernel, name, pow2))
             for name, pow2 in quant_kernels.all_kernels()]
     return out

@@ -31,9 +31,10 @@ quant = _module("quant")
 quant_reference = _module("quant.reference")
 quant_kernels = _module("quant.kernels")
 fp8_quantize_columns, fp8_quantize_rows, Fp8Rows = quant.fp8_quantize_columns, quant.fp8_quantize_rows, quant.Fp8Rows
+Fp8Columns = quant.Fp8Columns
 
 moe_forward, moe_kernels, moe_layout = _module("moe.forward"), _module("moe.kernels"), _module("moe.layout")
-moe_fp8 = _module("moe.fp8")
+moe_fp8, moe_kernels_fp8 = _module("moe.fp8"), _module("moe.kernels_fp8")
 fp8_mega_moe, fp8_weights, FP8_DIM_MULTIPLE = moe_fp8.fp8_mega_moe, moe_fp8.fp8_weights, moe_fp8.FP8_DIM_MULTIPLE
 MegaMoEHandle, bf16_mega_moe, dense_rows = moe_forward.MegaMoEHandle, moe_forward.bf16_mega_moe, moe_forward.dense_rows
 DIM_MULTIPLE = moe_forward.DIM_MULTIPLE
@@ -41,7 +42,7 @@ check_expert_ids, check_moe_inputs, gate_up_swiglu = (moe_forward.check_expert_i
                                                      moe_forward.gate_up_swiglu)
 build_routing_layout, ep_wait_flags = moe_kernels.build_routing_layout, moe_kernels.ep_wait_flags
 moe_combine_bf16, moe_gather_rows_bf16 = moe_kernels.moe_combine_bf16, moe_kernels.moe_gather_rows_bf16
-moe_swiglu_bwd_bf16 = moe_kernels.moe_swiglu_bwd_bf16
+moe_swiglu_bwd_bf16, moe_swiglu_bwd_fp8 = moe_kernels.moe_swiglu_bwd_bf16, moe_kernels_fp8.moe_swiglu_bwd_fp8
 RoutingLayout = moe_layout.RoutingLayout
 
 stream_write_u32 = _module("jit.runtime").stream_write_u32

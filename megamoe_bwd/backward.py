@@ -9,11 +9,11 @@ are copied to routed order first: they feed two GEMMs each (docs/PERF.md, "Decis
 The steps are building blocks of the expert-parallel backward too (megamoe_bwd.ep), which
 runs dA's GEMM and dx's GEMM in passes around the token exchange.
 
-In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy's routed rows are
-quantized once, gathered by the quantization's loads, as rows (dA's GEMM) and per-expert
-columns (dl2's); dA, dx's rows and both
-weight gradients run in FP8, the SwiGLU backward and the combine in bf16 as above; dz is
-quantized once, as rows (dx's GEMM) and columns (dl1's). The weights' FP8 copies are the
+In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy is quantized per
+token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quantization's
+loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
+(`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
+and w * act as columns (dl2's); the combine is bf16 as above. The weights' FP8 copies are the
 forward's (`fp8_weights`: the data gradients read their transposed halves).
 """
 from __future__ import annotations
@@ -24,10 +24,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (MegaMoEHandle, RoutingLayout, check_tensor, dense_rows, fp8_quantize_columns, fp8_weights,
-                       k_grouped_bf16, k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
-                       m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8, m_grouped_fp8_gemm_nt_contiguous,
-                       moe_combine_bf16, moe_gather_rows_bf16, moe_swiglu_bwd_bf16, quant_kernels)
+from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_tensor, dense_rows,
+                       fp8_quantize_columns, fp8_quantize_rows, fp8_weights, k_grouped_bf16,
+                       k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
+                       m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8,
+                       m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8,
+                       moe_swiglu_bwd_bf16, moe_swiglu_bwd_fp8, quant_kernels)
 from ._kernels import moe_kernels as kernels
 
 WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -196,13 +198,14 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
 def build_fp8_kernels(grads: WeightGrads) -> None:
     """Compiles (or reads from the disk cache) every kernel the FP8 backward launches, before it
     changes anything."""
-    for n in (grads.dl2.shape[2], grads.dl1.shape[2]):  # dA's N is I, dx's H
-        m_grouped_fp8.get_kernel(m_grouped_fp8.FP8_TMA_ROWS, m_grouped_fp8.get_config(n).block_n)
+    for producer, n in ((m_grouped_fp8.FP8_GATHERED_ROWS, grads.dl2.shape[2]),  # dA (N = I), gathering dy's rows
+                        (m_grouped_fp8.FP8_TMA_ROWS, grads.dl1.shape[2])):  # dx (N = H)
+        m_grouped_fp8.get_kernel(producer, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(grad.dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
-    for name in ("moe_swiglu_bwd", "moe_combine"):
-        kernels.get_kernel(name)
+    moe_kernels_fp8.get_kernel(False)
+    kernels.get_kernel("moe_combine")
 
 
 def fp8_transposed(weights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,26 +222,23 @@ def fp8_data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor,
     return out
 
 
-def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_cols, grads: WeightGrads,
-                                keep_handle: bool):
-    """`swiglu_backward_and_dl2` in FP8: the SwiGLU backward, then ``dl2 (+)= dy^T @ (w * act)``
-    on `dy_cols` (dy's per-expert `Fp8Columns`), then dz quantized once. Returns ``(dz_rows
-    Fp8Rows, dz_cols Fp8Columns, row_dw [T * K])``; the handle as there."""
-    layout, h = handle.layout, handle.h
-    dz, act_weighted, row_dw = moe_swiglu_bwd_bf16(h, d_act, layout, dz=None if keep_handle else h,
-                                                   act_weighted=d_act)
+def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_cols: Fp8Columns, grads: WeightGrads,
+                                keep_handle: bool) -> tuple[Fp8Rows, Fp8Columns, torch.Tensor]:
+    """`swiglu_backward_and_dl2` in FP8: the SwiGLU backward with its outputs quantized in the same
+    pass (`moe_swiglu_bwd_fp8` on h ``[T * K, 2I]`` and `d_act` ``[T * K, I]``, bf16), then ``dl2
+    (+)= dy^T @ (w * act)`` on `dy_cols` (dy's per-expert `Fp8Columns` of the layout's offsets).
+    Returns ``(dz_rows Fp8Rows [T * K, 2I], dz_cols Fp8Columns, row_dw [T * K] fp32)``. No bf16 dz
+    is written, so h is not overwritten: a consumed handle's h is just released (None)."""
+    layout = handle.layout
+    dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(handle.h, d_act, layout)
     if not keep_handle:
         handle.h = None
-        torch.autograd.graph.increment_version(h)
-    _, act_cols = fp8_quantize_columns(act_weighted, layout.offsets)
     k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
-    del act_cols, act_weighted
-    dz_rows, dz_cols = fp8_quantize_columns(dz, layout.offsets, with_rows=True)
     return dz_rows, dz_cols, row_dw
 
 
-def fp8_dl1_gemm(dz_cols, x, layout: RoutingLayout, grads: WeightGrads) -> None:
+def fp8_dl1_gemm(dz_cols: Fp8Columns, x: torch.Tensor | Fp8Rows, layout: RoutingLayout, grads: WeightGrads) -> None:
     """``dl1 (+)= dz^T @ x[rows]`` in FP8: x (bf16 tokens, or `Fp8Rows`) quantized per expert's
     columns, its routed rows gathered by the quantization's loads."""
     _, x_cols = fp8_quantize_columns(x, layout.offsets, row_index=layout.row_token)
@@ -256,9 +256,14 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
         build_fp8_kernels(grads)
     w1, w2 = fp8_weights(l1), fp8_weights(l2)
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
-    dy_rows, dy_cols = fp8_quantize_columns(dense_rows(dy), offsets, row_index=layout.row_token, with_rows=True)
-    d_act = fp8_data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets)
-    del dy_rows
+    # dy quantized per token as rows (dA's GEMM gathers them: T rows written, not T * K) and, from
+    # its routed rows gathered by the loads, per expert as columns (dl2's)
+    dy_dense = dense_rows(dy)
+    dy_rows = fp8_quantize_rows(dy_dense)
+    _, dy_cols = fp8_quantize_columns(dy_dense, offsets, row_index=layout.row_token)
+    d_act = fp8_data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets,
+                              a_row_index=layout.row_token)
+    del dy_rows, dy_dense
     dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
     del dy_cols, d_act
     with SideStream(dy.device) as side:
@@ -283,10 +288,11 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         weight_grad_dtype: float32 (default) or bfloat16 for new dl1/dl2.
         dl1, dl2: optional existing gradients (fp32 or bf16, contiguous, 16-byte aligned) to
             accumulate into, in place.
-        keep_handle: by default the handle is consumed: its ``h`` is overwritten by its own
-            gradient (2I bf16 per routed slot less peak memory; h's autograd version is bumped,
-            so a saved copy of it cannot be reused silently) and a second backward with it
-            raises. True keeps it usable, at that memory cost.
+        keep_handle: by default the handle is consumed and a second backward with it raises:
+            in bf16 its ``h`` is overwritten by its own gradient (2I bf16 per routed slot less
+            peak memory; h's autograd version is bumped, so a saved copy of it cannot be reused
+            silently); in FP8 h is released once read (the gradient leaves quantized). True
+            keeps it usable, at that memory cost.
 
     Returns:
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],

@@ -5,6 +5,9 @@ quantization and against an HBM copy of the input (the roofline), measured in on
     rows+cols dy [T * K, H]       -> rows, and the transposed copy per 128 x 1 in E ragged groups
               act [T * K, I]         (the weight gradients' operands; torch: rows only, no transpose)
     weights   l1 [E, 2I, H], l2   -> fp8 in both orientations, 128 x 128 scales
+    swiglu bwd h [T * K, 2I], d_act -> the FP8 backward's SwiGLU backward with its outputs quantized
+              (deep_gemm.moe.kernels_fp8: dz rows and columns, w * act columns; "torch" here is
+              the unfused chain, our bf16 SwiGLU backward and two column quantizations)
 Times are medians of CUDA-event timings with the L2 flushed before each run. Each kernel is also
 checked bit for bit against the PyTorch reference on the same input.
 
@@ -21,6 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import MODELS, require_sm90  # noqa: E402
+from deep_gemm.moe.kernels import moe_swiglu_bwd_bf16  # noqa: E402
+from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8  # noqa: E402
+from deep_gemm.moe.layout import RoutingLayout  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, same_bits, warm_up_gpu  # noqa: E402
 
@@ -58,6 +64,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
         yield (f"rows+cols {name}", 2 * rows.numel(), _rows_bytes(routed, width) + width * padded * (1 + 4 / 128),
                lambda rows=rows: fp8_quantize_columns(rows, offsets, with_rows=True),
                _rows_bytes(routed, width), lambda rows=rows: torch_rows(rows), check)
+    yield swiglu_bwd_case(routed, inter, offsets)
     torch_weights = torch.compile(reference.fp8_quantize_weights_torch)
     for name, shape in (("l1", (experts, 2 * inter, hidden)), ("l2", (experts, hidden, inter))):
         w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -65,6 +72,34 @@ def cases(model: str, routing: str, gen: torch.Generator):
         yield (f"weights {name}", 2 * w.numel(), num_bytes, lambda w=w: fp8_quantize_weights(w), num_bytes,
                lambda w=w: torch_weights(w),
                lambda w=w: same_bits(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
+
+
+def swiglu_bwd_case(routed: int, inter: int, offsets: torch.Tensor):
+    """The fused FP8 SwiGLU backward against the unfused chain, on random h and d_act (the kernels
+    read only the layout's offsets and routing weights)."""
+    layout = RoutingLayout(offsets, torch.zeros(routed, dtype=torch.int64, device="cuda"),
+                           torch.rand(routed, device="cuda"), torch.zeros(0, 1, dtype=torch.int64, device="cuda"),
+                           torch.zeros(0, 1, dtype=torch.bool, device="cuda"))
+    h = torch.randn(routed, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    d_act = torch.randn(routed, inter, device="cuda", dtype=torch.bfloat16)
+    padded = reference.padded_group_width(routed, offsets.numel() - 1)
+    # bf16 in; dz rows (fp8 + scales), dz and w * act columns (fp8 + scales), row_dw out
+    fused_bytes = 2 * 3 * routed * inter + 2 * routed * inter * (1 + 4 / 128) + 3 * inter * padded * (1 + 4 / 128)
+    chain_bytes = fused_bytes + 2 * 2 * 3 * routed * inter  # + dz and w * act written and read back in bf16
+
+    def chain():
+        dz, act_weighted, _ = moe_swiglu_bwd_bf16(h, d_act, layout)
+        return fp8_quantize_columns(dz, offsets, with_rows=True), fp8_quantize_columns(act_weighted, offsets)
+
+    def check():
+        (ref_rows, ref_dz), (_, ref_act) = chain()
+        rows, dz, act, _ = moe_swiglu_bwd_fp8(h, d_act, layout)
+        used = int(ref_dz.padded_offsets[-1])
+        return (same_bits(rows.data, ref_rows.data) and same_bits(dz.data[:, :used], ref_dz.data[:, :used])
+                and same_bits(act.data[:, :used], ref_act.data[:, :used]))
+
+    return ("swiglu bwd", 2 * 3 * routed * inter, fused_bytes, lambda: moe_swiglu_bwd_fp8(h, d_act, layout),
+            chain_bytes, chain, check)
 
 
 def main() -> None:
@@ -82,7 +117,7 @@ def main() -> None:
     for model in args.models.split(","):
         for i, routing in enumerate(args.routing.split(",")):
             for label, in_bytes, our_bytes, ours, torch_bytes, theirs, check in cases(model, routing, gen):
-                if i > 0 and not label.startswith("rows+cols"):
+                if i > 0 and not label.startswith(("rows+cols", "swiglu")):
                     continue  # no groups there: one routing is enough
                 ours_ms, theirs_ms = bench_ms(ours), bench_ms(theirs)
                 src = torch.empty(in_bytes, dtype=torch.uint8, device="cuda")
@@ -92,7 +127,7 @@ def main() -> None:
                       f"{'yes' if check() else 'NO':>5}")
                 del src
     print("GB/s: bytes read and written over the median time; torch: torch.compile'd deep_gemm.quant.reference "
-          "(for rows+cols the rows only); copy: a clone of the input")
+          "(for rows+cols the rows only; for swiglu bwd our unfused chain); copy: a clone of the input")
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ import torch
 
 import deep_gemm
 import megamoe_bwd  # noqa: F401  (imports the modules that hold kernels, the EP ones included)
-from deep_gemm.moe import MegaMoEHandle, build_routing_layout, kernels
+from deep_gemm.moe import MegaMoEHandle, build_routing_layout, kernels, kernels_fp8
 from deep_gemm.moe.forward import moe_forward
 from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights
 from deep_gemm.testing import emulate
@@ -28,6 +28,7 @@ PAIRS = [
     (kernels.moe_gather_rows_bf16, emulate.moe_gather_rows),
     (kernels.moe_swiglu_fwd_bf16, emulate.moe_swiglu_fwd),
     (kernels.moe_swiglu_bwd_bf16, emulate.moe_swiglu_bwd),
+    (kernels_fp8.moe_swiglu_bwd_fp8, emulate.moe_swiglu_bwd_fp8),
     (kernels.ep_wait_flags, emulate.ep_wait_flags),
 ]
 

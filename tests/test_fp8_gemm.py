@@ -10,6 +10,7 @@ anywhere). `python tests/test_fp8_gemm.py` prints one line per case.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -19,7 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
+from deep_gemm.quant import (empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
+                             reference)
 from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
                                torch_fp8_rowwise_grouped_mm)
 
@@ -169,6 +171,52 @@ def test_swiglu_epilogue_writes_the_gemm_and_silu_gate_times_up(gather):
     exact = _reference(a_deq, _dequantized_b((w.data, w.scales)), sizes)
     ref_act = torch.nn.functional.silu(exact[:, :inter]) * exact[:, inter:]
     assert relative_error(act[:rows], ref_act) <= exact_bar(ref_act)
+
+
+def _poisoned_fp8_rows(m: int, k: int):
+    """Fp8Rows outputs filled with NaN (0xFF bytes in the data), scales in their GEMM layout."""
+    out = empty_fp8_rows(m, k, "cuda")
+    out.data.view(torch.uint8).fill_(0xFF)
+    out.scales.fill_(float("nan"))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather):
+    """act as an e4m3 (data, scales) pair is fp8_quantize_rows of the bf16 act, bit for bit, and h
+    is unchanged; groups empty, of one row, ending inside a warpgroup's 64 rows or a tile's 128;
+    zero rows (scale 1); M not a multiple of 4 (the scales' column stride rounded up); rows
+    outside every group left unwritten in the data and the scales."""
+    sizes, inter, k = [0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 1000], 384, 512
+    rows = sum(sizes)
+    a = torch.randn(rows + 2, k, device="cuda", dtype=torch.bfloat16)
+    a[5] = 0
+    a_fp8 = fp8_quantize_rows(a)
+    w = fp8_quantize_weights((torch.randn(len(sizes), 2 * inter, k, device="cuda") / k**0.5).to(torch.bfloat16))
+    index = None
+    if gather:  # repeats, and one index past the data: a zero row
+        index = torch.randint(0, a.shape[0], (a.shape[0],), device="cuda")
+        index[7] = a.shape[0]
+    offsets = offsets_from_sizes(sizes)
+    gemm = functools.partial(deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous, (a_fp8.data, a_fp8.scales),
+                             (w.data, w.scales), group_offsets=offsets, a_row_index=index)
+    h_bf16 = torch.full((a.shape[0], 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    act_bf16 = torch.full((a.shape[0], inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(h=h_bf16, act=act_bf16)
+    h, act = torch.full_like(h_bf16, float("nan")), _poisoned_fp8_rows(a.shape[0], inter)
+    gemm(h=h, act=(act.data, act.scales))
+    expected = fp8_quantize_rows(act_bf16[:rows].contiguous())
+    assert torch.equal(_bits(h), _bits(h_bf16))
+    assert torch.equal(_bits(act.data[:rows]), _bits(expected.data))
+    assert torch.equal(_bits(act.scales[:rows]), _bits(expected.scales))
+    assert bool((act.data[rows:].view(torch.uint8) == 0xFF).all()) and bool(act.scales[rows:].isnan().all())
+    zero_row = 7 if gather else 5
+    assert bool((expected.scales[zero_row] == 1).all()), "a zero row's scales are 1"
 
 
 @requires_sm90
@@ -330,6 +378,30 @@ def test_the_swiglu_gemm_needs_whole_gate_and_up_blocks():
     h, act = torch.zeros(4, 384, dtype=torch.bfloat16), torch.zeros(4, 192, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pairs 128 gate with 128 up columns"):
         deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, b, h, act, torch.tensor([0, 4], dtype=torch.int32))
+
+
+_ACT = empty_fp8_rows(256, 128, "cpu")
+_ODD_STRIDE = torch.empty(1, 257)[:, :256].T  # column stride 257: not a multiple of 4
+
+
+@pytest.mark.parametrize("act,error", [
+    ((_ACT.data.view(torch.uint8), _ACT.scales), "act must have dtype torch.float8_e4m3fn"),
+    ((torch.empty(256, 128, dtype=torch.bfloat16), _ACT.scales), "act must have dtype torch.float8_e4m3fn"),
+    (_ACT.data, "an e4m3 act needs its scales"),
+    ((_ACT.data,), "act must be a \\(data, scales\\) pair"),
+    ((_ACT.data[:, :64].contiguous(), _ACT.scales), "act must have shape \\(256, 128\\)"),
+    ((_ACT.data, _ACT.scales.double()), "act's scales must have dtype torch.float32"),
+    ((_ACT.data, _ACT.scales[:128]), "act's scales must have shape \\(256, 1\\)"),
+    ((_ACT.data, torch.empty(256, 1)), "column-major"),  # [M, 1] row-major: column stride 1
+    ((_ACT.data, _ODD_STRIDE), "column-major"),
+    ((_ACT.data, _ACT.scales), "CUDA"),  # a valid act: devices are checked last
+])
+def test_swiglu_act_in_fp8_refuses_bad_outputs_before_any_launch(act, error):
+    a, _, _, offsets = _operands()
+    w = fp8_quantize_weights(torch.randn(2, 256, 256, dtype=torch.bfloat16))
+    h = torch.empty(256, 256, dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match=error):
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, (w.data, w.scales), h, act, offsets)
 
 
 if __name__ == "__main__":

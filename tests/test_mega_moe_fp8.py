@@ -214,3 +214,58 @@ def test_the_blockwise_layer_is_more_accurate_than_the_torch_rowwise_fp8_moe():
         ours_err, theirs_err = relative_error(o.double(), s), relative_error(t.double(), s)
         assert ours_err <= 1.5 * theirs_err, f"{name}: ours {ours_err:.3e}, torch rowwise {theirs_err:.3e}"
 
+
+
+# (T, I, E, K, routing, empty-slot fraction): experts of every size, one hot expert, T = 1
+SWIGLU_BWD_CASES = [
+    (300, 256, 8, 4, "uniform", 0.2),
+    (200, 128, 16, 2, "skewed", 0.0),
+    (150, 384, 4, 2, "one_hot", 0.1),
+    (1, 128, 4, 2, "uniform", 0.0),
+]
+
+
+@requires_sm90
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("case", SWIGLU_BWD_CASES, ids=[f"{c[4]}-T{c[0]}-I{c[1]}" for c in SWIGLU_BWD_CASES])
+def test_the_fused_swiglu_backward_is_the_bf16_kernel_then_the_quantization(case, power_of_two):
+    """`moe_swiglu_bwd_fp8` writes what `moe_swiglu_bwd_bf16` followed by `fp8_quantize_columns`
+    (dz as rows and columns, w * act as columns) writes, bit for bit; row_dw up to the order of
+    its fp32 sum."""
+    from deep_gemm.moe.kernels import moe_swiglu_bwd_bf16
+    from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8
+    from deep_gemm.quant import fp8_quantize_columns
+    from deep_gemm.testing import poisoned_allocations, same_bits
+    T, inter, E, K, routing, empty = case
+    p = make_moe_inputs(T, 128, inter, E, K, device="cuda", routing=routing, empty_slot_frac=empty, seed=T + inter)
+    layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    h = torch.randn(layout.num_slots, 2 * inter, device="cuda", generator=gen).bfloat16()
+    d_act = torch.randn(layout.num_slots, inter, device="cuda", generator=gen).bfloat16()
+    dz, act_weighted, ref_row_dw = moe_swiglu_bwd_bf16(h, d_act, layout)
+    ref_rows, ref_dz = fp8_quantize_columns(dz, layout.offsets, with_rows=True, power_of_two_scales=power_of_two)
+    _, ref_act = fp8_quantize_columns(act_weighted, layout.offsets, power_of_two_scales=power_of_two)
+    with poisoned_allocations(64 * h.numel()) as poisoned:
+        rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(h, d_act, layout, power_of_two_scales=power_of_two)
+        assert all(poisoned(t) for t in (rows.data, dz_cols.data, act_cols.data, row_dw))
+    routed, used = int(layout.offsets[-1]), int(ref_dz.padded_offsets[-1])
+    assert same_bits(rows.data[:routed], ref_rows.data[:routed]) and same_bits(rows.scales[:routed], ref_rows.scales[:routed])
+    for ours, ref in ((dz_cols, ref_dz), (act_cols, ref_act)):
+        assert same_bits(ours.padded_offsets, ref.padded_offsets)
+        assert same_bits(ours.data[:, :used], ref.data[:, :used])
+        assert same_bits(ours.scales[:used // 128], ref.scales[:used // 128])
+    torch.testing.assert_close(row_dw[:routed], ref_row_dw[:routed], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("h_shape,d_act_shape,dtype,error,match", [
+    ((6, 256), (6, 128), torch.float32, TypeError, "bfloat16"),
+    ((6, 200), (6, 100), torch.bfloat16, ValueError, "multiple of 128"),
+    ((6, 512), (6, 128), torch.bfloat16, ValueError, "2I"),
+    ((5, 256), (5, 128), torch.bfloat16, ValueError, "2I"),  # not the layout's 6 slots
+])
+def test_the_fused_swiglu_backward_refuses_bad_input_before_any_launch(h_shape, d_act_shape, dtype, error, match):
+    from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8
+    from deep_gemm.moe.layout import build_routing_layout_torch
+    layout = build_routing_layout_torch(torch.tensor([[0, 1], [1, 2], [2, 0]]), torch.ones(3, 2), 3)
+    with pytest.raises(error, match=match):
+        moe_swiglu_bwd_fp8(torch.zeros(h_shape, dtype=dtype), torch.zeros(d_act_shape, dtype=dtype), layout)

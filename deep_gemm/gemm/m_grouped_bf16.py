@@ -105,14 +105,15 @@ class MGroupedProblem:
     @staticmethod
     def check_shapes(a, b, d, group_offsets, b_mn_major: bool, a_row_index, num_passes: int, ready_flags,
                      pass_range, act: Optional[torch.Tensor] = None,
-                     operand_dtype: torch.dtype = torch.bfloat16) -> "MGroupedProblem":
+                     operand_dtype: torch.dtype = torch.bfloat16,
+                     act_dtype: torch.dtype = torch.bfloat16) -> "MGroupedProblem":
         """`check` without the devices (`check_devices`, which a caller with more tensors to check
-        runs after them); `operand_dtype`: a's and b's."""
+        runs after them); `operand_dtype`: a's and b's; `act_dtype`: act's."""
         check_tensor("a", a, operand_dtype, 2)
         check_tensor("b", b, operand_dtype, 3)
         check_tensor("d", d, torch.bfloat16, 2)
         if act is not None:
-            check_tensor("act", act, torch.bfloat16, 2)
+            check_tensor("act", act, act_dtype, 2)
         if not isinstance(num_passes, int) or not 1 <= num_passes <= MAX_PASSES:
             raise ValueError(f"num_passes must be in [1, {MAX_PASSES}], got {num_passes!r}")
         num_runs = check_group_offsets(group_offsets)

@@ -1,6 +1,6 @@
 """Mega MoE forward in blockwise FP8 (docs/DESIGN.md, "Blockwise FP8" and "The FP8 layer"), one
-GPU: x quantized per token -> GEMM1 in FP8 (rows gathered in its loads, SwiGLU in its epilogue)
--> the activation quantized per row -> GEMM2 in FP8 -> weighted combine in bf16. Parameters stay bf16;
+GPU: x quantized per token -> GEMM1 in FP8 (rows gathered in its loads, SwiGLU and the activation's
+per-row quantization in its epilogue) -> GEMM2 in FP8 -> weighted combine in bf16. Parameters stay bf16;
 their FP8 copies come from `fp8_weights`, made once per change of the weight.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous
-from ..quant import Fp8Weights, fp8_quantize_rows, fp8_quantize_weights
+from ..quant import Fp8Weights, empty_fp8_rows, fp8_quantize_rows, fp8_quantize_weights
 from ..quant.kernels import MAX_GROUPS
 from .forward import MegaMoEHandle, prepare_forward
 from .kernels import moe_combine_bf16
@@ -67,10 +67,9 @@ def fp8_moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.
     bf16 (what the backward keeps, as in bf16)."""
     num_slots, two_inter, hidden = layout.num_slots, w1.data.shape[1], x.shape[1]
     xq = fp8_quantize_rows(x)
-    h, act = x.new_empty(num_slots, two_inter), x.new_empty(num_slots, two_inter // 2)
-    m_grouped_fp8_gemm_nt_swiglu_contiguous((xq.data, xq.scales), (w1.data, w1.scales), h, act, layout.offsets,
-                                            a_row_index=layout.row_token)
-    act = fp8_quantize_rows(act)
+    h, act = x.new_empty(num_slots, two_inter), empty_fp8_rows(num_slots, two_inter // 2, x.device)
+    m_grouped_fp8_gemm_nt_swiglu_contiguous((xq.data, xq.scales), (w1.data, w1.scales), h, (act.data, act.scales),
+                                            layout.offsets, a_row_index=layout.row_token)
     out = x.new_empty(num_slots, hidden)
     m_grouped_fp8_gemm_nt_contiguous((act.data, act.scales), (w2.data, w2.scales), out, layout.offsets)
     moe_combine_bf16(out, layout, topk_weights, y)

@@ -62,9 +62,23 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
-def _empty_rows(m: int, k: int, device: torch.device) -> Fp8Rows:
+def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
+    """Uninitialised `Fp8Rows` of ``[m, k]`` (k a multiple of 128), for a kernel to write rows
+    quantized per 1 x 128 into: scales column-major, their column stride m rounded up to 4."""
     storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)
     return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
+
+
+def empty_fp8_columns(k: int, m: int, num_groups: int, device: torch.device,
+                      padded_offsets: Optional[torch.Tensor] = None) -> Fp8Columns:
+    """Uninitialised `Fp8Columns` of `m` rows of width `k` in `num_groups` groups (the kernels
+    write the padded offsets: `padded_offsets`, when given, is shared with another copy of the
+    same groups)."""
+    width = padded_group_width(m, num_groups)
+    if padded_offsets is None:
+        padded_offsets = torch.empty(num_groups + 1, dtype=torch.int32, device=device)
+    return Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=device),
+                      torch.empty(width // BLOCK, k, dtype=torch.float32, device=device), padded_offsets)
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -76,7 +90,7 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     if not x.is_cuda:
         return fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two_scales)
     check_cuda_devices(x=x)
-    out = _empty_rows(*x.shape, x.device)
+    out = empty_fp8_rows(*x.shape, x.device)
     m, k = x.shape
     if m:
         _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
@@ -126,11 +140,9 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
         tensors["row_index"] = row_index
     check_cuda_devices(**tensors)
     m, k = (data.shape[0] if row_index is None else row_index.numel()), data.shape[1]
-    width = padded_group_width(m, num_groups)
-    columns = Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=data.device),
-                         torch.empty(width // BLOCK, k, dtype=torch.float32, device=data.device),
-                         torch.empty(num_groups + 1, dtype=torch.int32, device=data.device))
-    rows = _empty_rows(m, k, data.device) if with_rows else None
+    columns = empty_fp8_columns(k, m, num_groups, data.device)
+    width = columns.data.shape[1]
+    rows = empty_fp8_rows(m, k, data.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
     _launch("activations_from_fp8" if from_fp8 else "activations", power_of_two_scales, data.device.index,
             width // BLOCK * (k // BLOCK), x=data.data_ptr(), x_scales=x.scales.data_ptr() if from_fp8 else 0,

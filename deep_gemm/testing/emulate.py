@@ -4,6 +4,8 @@ every group, or past the routed rows) are filled with NaN here, so any leak show
 import torch
 import torch.nn.functional as F
 
+from ..quant.reference import fp8_quantize_columns_torch, fp8_quantize_rows_torch
+
 
 def _bounds(group_offsets: torch.Tensor):
     offsets = group_offsets.tolist()
@@ -64,9 +66,20 @@ def m_grouped_fp8_gemm_nt(a, b, d, group_offsets, *, a_row_index=None, num_passe
 
 
 def m_grouped_fp8_gemm_nt_swiglu(a, b, h, act, group_offsets, *, a_row_index=None, num_passes=1, **_):
-    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous` on the dequantized operands."""
-    m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act, group_offsets,
+    """Emulates `deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous` on the dequantized operands;
+    an act given as an e4m3 (data, scales) pair gets the emulated act, rounded to bf16 as the
+    kernel rounds it, quantized per row by the reference."""
+    fp8_act = isinstance(act, (tuple, list))
+    act_out = torch.empty(act[0].shape, dtype=torch.bfloat16, device=act[0].device) if fp8_act else act
+    m_grouped_gemm_nt_swiglu(_dequantized(a, (1,)), _dequantized(b, (1, 2)), h, act_out, group_offsets,
                              a_row_index=a_row_index, num_passes=num_passes)
+    if fp8_act:  # (rows outside every group: NaN data and scales, as unwritten rows are here)
+        rows = fp8_quantize_rows_torch(act_out)
+        written = torch.zeros(act_out.shape[0], dtype=torch.bool, device=act_out.device)
+        for start, end in _bounds(group_offsets):
+            written[start:end] = True
+        act[0].copy_(rows.data)
+        act[1].copy_(torch.where(written[:, None], rows.scales, float("nan")))
 
 
 def k_grouped_fp8_gemm_tn(a, b, d, padded_offsets, *, accumulate: bool = False, **_):
@@ -122,6 +135,16 @@ def moe_swiglu_bwd(h, d_act, layout, *, dz=None, act_weighted=None):
         t[int(layout.offsets[-1]):] = float("nan")
     dz, act_weighted = (t if out is None else out.copy_(t) for t, out in zip((dz, act_weighted), outputs))
     return dz, act_weighted, row_dw
+
+
+def moe_swiglu_bwd_fp8(h, d_act, layout, *, power_of_two_scales=False):
+    """Emulates `deep_gemm.moe.kernels_fp8.moe_swiglu_bwd_fp8`: `moe_swiglu_bwd`'s outputs in h's
+    dtype, quantized by the reference (rows of empty slots: NaN)."""
+    dz, act_weighted, row_dw = moe_swiglu_bwd(h, d_act, layout)
+    dz_rows, dz_columns = fp8_quantize_columns_torch(dz, layout.offsets, with_rows=True,
+                                                     power_of_two_scales=power_of_two_scales)
+    _, act_columns = fp8_quantize_columns_torch(act_weighted, layout.offsets, power_of_two_scales=power_of_two_scales)
+    return dz_rows, dz_columns, act_columns, row_dw
 
 
 def ep_wait_flags(flags, sources, timeout_ms):

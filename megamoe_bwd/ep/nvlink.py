@@ -171,8 +171,9 @@ def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layo
 
 def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: torch.Tensor, layout: RoutingLayout,
                        arrival, grads):
-    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, the SwiGLU backward, dl2;
-    returns (dz's FP8 rows, row_dw, dl1's GEMM to run beside dx's)."""
+    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, then the single-GPU
+    steps (the SwiGLU backward writing dz quantized, dl2); returns (dz's FP8 rows, row_dw, dl1's
+    GEMM to run beside dx's)."""
     d_act = h.new_empty(layout.num_slots, l2.shape[2])
     try:  # dA's GEMM gathers dy's rows pass by pass as they land
         fp8_data_gradient(recv_dy, fp8_weights(l2), d_act, arrival.run_offsets, a_row_index=layout.row_token,

@@ -7,9 +7,11 @@
 //   store(acc, p, rows, staging, barrier_id)   one tile's share (`barrier_id`: a named barrier
 //                    of this warpgroup's 128 threads);
 //   drain()          before the kernel exits: bulk stores still in flight.
-// Params are the kernel's: d, n, tensor_map_d (and act, tensor_map_act for SwiGLU).
+// Params are the kernel's: d, n, tensor_map_d (and act, tensor_map_act for SwiGLU; act_fp8,
+// act_scales, act_scales_ld for its e4m3 act).
 #include <cstdint>
 #include <cuda_bf16.h>
+#include "../ptx/fp8.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/utils.cuh"
 #include "activation.cuh"
@@ -91,6 +93,7 @@ struct SwiGLUTensorStore {
     static_assert(BLOCK_N == 256, "a tile pairs 128 gate with 128 up columns");
     using Columns = GateUpColumns;
     static constexpr uint32_t kStagingBytes = kTensorStoreStagingBytes<BLOCK_N>;
+    static constexpr uint32_t kHalf = BLOCK_N / 4;  // accumulators per thread of each half
 
     template <typename Params>
     __device__ __forceinline__ static void prefetch(const Params& p) {
@@ -98,14 +101,33 @@ struct SwiGLUTensorStore {
         ptx::prefetch_tma_descriptor(&p.tensor_map_act);
     }
 
-    // (act is computed over the gate accumulators once h is out: 64 registers fewer at the peak)
     template <typename Params>
     __device__ __forceinline__ static void store(float (&acc)[BLOCK_N / 2], const Params& p, const WarpgroupRows& rows,
                                                  uint8_t* staging, uint32_t barrier_id) {
-        constexpr uint32_t kHalf = BLOCK_N / 4;  // accumulators per thread of each half
         const bool tensor_stores = rows.count >= 64;
         if (not tensor_stores)
             wait_staging_free(barrier_id);
+        const float (&act)[kHalf] = store_h_then_swiglu(acc, p, rows, staging, barrier_id, tensor_stores);
+        const uint32_t inter = p.n / 2, col = rows.n_begin / 2;
+        if (tensor_stores) {
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false>(act, staging, barrier_id, &p.tensor_map_act, col,
+                                                              rows.first, 0);
+        } else {
+            store_bf16_staged<BLOCK_N / 2>(act, staging, barrier_id, p.act + static_cast<uint64_t>(rows.first) * inter + col,
+                                           inter, rows.count, BLOCK_N / 2);
+        }
+    }
+
+    __device__ __forceinline__ static void drain() { drain_bulk_stores(); }
+
+    // h's gate and up columns out (by tensor stores, or else synchronously for the first
+    // rows.count rows, the staging free), then act = silu(gate) * up in fp32 over the gate
+    // accumulators, which it returns (act once h is out: 64 registers fewer at the peak).
+    template <typename Params>
+    __device__ __forceinline__ static auto store_h_then_swiglu(float (&acc)[BLOCK_N / 2], const Params& p,
+                                                               const WarpgroupRows& rows, uint8_t* staging,
+                                                               uint32_t barrier_id, bool tensor_stores)
+        -> float (&)[kHalf] {
         float (&gate)[kHalf] = *reinterpret_cast<float (*)[kHalf]>(acc);
         const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(acc + kHalf);
         const uint32_t inter = p.n / 2, col = rows.n_begin / 2;
@@ -121,16 +143,86 @@ struct SwiGLUTensorStore {
         #pragma unroll
         for (uint32_t i = 0; i < kHalf; ++i)
             gate[i] = swiglu(gate[i], up[i]);
+        return gate;
+    }
+};
+
+// SwiGLUTensorStore with act written as e4m3 [M, I] and one fp32 scale per 1 x 128 (act_scales
+// (m, kb) at act_scales[kb * act_scales_ld + m]): a tile's 128 act columns are one scale block,
+// and the 4 lanes of a quad hold its rows. Bit for bit deep_gemm.quant.fp8_quantize_rows (with
+// ScaleRule) of the bf16 act SwiGLUTensorStore writes: each value rounded to bf16, the row's
+// amax, ScaleRule's scale, fp8(value * (1 / scale)) with the reciprocal rounded once.
+template <uint32_t BLOCK_N, typename ScaleRule>
+struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
+    using Base = SwiGLUTensorStore<BLOCK_N>;
+    static constexpr uint32_t kHalf = Base::kHalf;
+    static_assert(SwizzledStaging<uint8_t>::kBufferBytes <= Base::kStagingBytes, "the e4m3 tile is one buffer");
+
+    template <typename Params>
+    __device__ __forceinline__ static void store(float (&acc)[BLOCK_N / 2], const Params& p, const WarpgroupRows& rows,
+                                                 uint8_t* staging, uint32_t barrier_id) {
+        // The previous tile's act store, its last bulk group, read buffer 0, which gate's first
+        // tensor store reuses, while store_tile_tma waits only for the groups before the newest
+        // one. Issued a mainloop ago, it has long finished.
+        wait_staging_free(barrier_id);
+        const bool tensor_stores = rows.count >= 64;
+        float (&act)[kHalf] = Base::store_h_then_swiglu(acc, p, rows, staging, barrier_id, tensor_stores);
+
+        float amax[2] = {0.0f, 0.0f};  // of this thread's two rows
+        #pragma unroll
+        for (uint32_t i = 0; i < kHalf; ++i) {
+            act[i] = __bfloat162float(__float2bfloat16_rn(act[i]));
+            amax[(i / 2) % 2] = fmaxf(amax[(i / 2) % 2], fabsf(act[i]));
+        }
+        float scale[2], inv[2];
+        #pragma unroll
+        for (uint32_t half = 0; half < 2; ++half) {
+            #pragma unroll
+            for (uint32_t lanes = 1; lanes < 4; lanes *= 2)  // the quad holding the row
+                amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], lanes));
+            scale[half] = ScaleRule::of(amax[half]), inv[half] = __frcp_rn(scale[half]);
+        }
+
+        // Scales are a 32nd of the e4m3 bytes: direct stores, 8 lanes' rows (32 bytes) at a time.
+        const uint32_t row = warpgroup_accumulator_row(), inter = p.n / 2, col = rows.n_begin / 2;
+        if (ptx::lane_idx() % 4 == 0) {
+            float* scales = p.act_scales + static_cast<uint64_t>(col / 128) * p.act_scales_ld + rows.first;
+            #pragma unroll
+            for (uint32_t half = 0; half < 2; ++half) {
+                if (row + half * 8 < rows.count)
+                    scales[row + half * 8] = scale[half];
+            }
+        }
+
+        // The e4m3 tile into buffer 0, swizzled as the tensor map reads it: up's first tensor store
+        // read it (the newest group, up's second, reads buffer 1; after synchronous h stores, none).
+        const uint32_t thread = threadIdx.x % 128;
+        if (thread == 0)
+            ptx::bulk_wait_group_read<1>();
+        ptx::named_barrier_sync(barrier_id, 128);
+        for_each_column_pair<BLOCK_N / 2>(0, [&](uint32_t r, uint32_t c, uint32_t i) {
+            const float s = inv[(i / 2) % 2];
+            ptx::st_shared_u16(swizzled_128b(staging, r, c), ptx::pack_e4m3x2(act[i] * s, act[i + 1] * s));
+        });
+        ptx::fence_view_async_shared();  // a tensor store reads through the async proxy
+        ptx::named_barrier_sync(barrier_id, 128);
         if (tensor_stores) {
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false>(gate, staging, barrier_id, &p.tensor_map_act, col,
-                                                              rows.first, 0);
+            if (thread == 0) {
+                ptx::tma_store_3d<false>(&p.tensor_map_act, staging, col, rows.first, 0);
+                ptx::bulk_commit_group();
+            }
         } else {
-            store_bf16_staged<BLOCK_N / 2>(gate, staging, barrier_id, p.act + static_cast<uint64_t>(rows.first) * inter + col,
-                                           inter, rows.count, BLOCK_N / 2);
+            // A group's last rows: thread t stores half of row t / 2, 4 x 16 bytes, if the row is
+            // below rows.count (the next tile's wait_staging_free keeps the staging until then).
+            const uint32_t r = thread / 2, first_byte = (thread % 2) * 64;
+            if (r < rows.count) {
+                uint8_t* dst = p.act_fp8 + static_cast<uint64_t>(rows.first + r) * inter + col + first_byte;
+                #pragma unroll
+                for (uint32_t byte = 0; byte < 64; byte += 16)
+                    *reinterpret_cast<uint4*>(dst + byte) = ptx::ld_shared_v4(swizzled_128b(staging, r, first_byte + byte));
+            }
         }
     }
-
-    __device__ __forceinline__ static void drain() { drain_bulk_stores(); }
 };
 
 }  // namespace deep_gemm::epilogue

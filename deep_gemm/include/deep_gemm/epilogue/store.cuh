@@ -10,26 +10,39 @@
 
 namespace deep_gemm::epilogue {
 
+// This thread's first accumulator row within its warpgroup's 64 (the second is 8 below).
+__device__ __forceinline__ uint32_t warpgroup_accumulator_row() {
+    return ((threadIdx.x % 128) / 32) * 16 + ptx::lane_idx() / 4;
+}
+
+// Calls `visit(r, c, i)` for each pair of columns (c, c + 1) of column chunk `chunk` (kChunkN
+// columns; c counts from the chunk's first) that this thread holds, in row r, as accumulators
+// i and i + 1 of its warpgroup's 64 x BLOCK_N tile (r is the first row for (i / 2) % 2 == 0,
+// else 8 below it).
+template <uint32_t kChunkN, typename Visit>
+__device__ __forceinline__ void for_each_column_pair(uint32_t chunk, Visit visit) {
+    const uint32_t row = warpgroup_accumulator_row(), col = (ptx::lane_idx() % 4) * 2;
+    #pragma unroll
+    for (uint32_t j = 0; j < kChunkN / 8; ++j) {  // j: a group of 8 columns
+        const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
+        #pragma unroll
+        for (uint32_t half = 0; half < 2; ++half)
+            visit(row + half * 8, j * 8 + col, i + half * 2);
+    }
+}
+
 // Writes column chunk `chunk` (kChunkN columns) of this thread's share of a warpgroup's
 // 64 x BLOCK_N accumulators to shared memory as OutT: the pair of columns at byte offset `byte`
 // of row r (both within the chunk) goes to `addr(r, byte)`, which picks the staging layout.
 template <uint32_t kChunkN, typename OutT, uint32_t kNumAcc, typename Addr>
 __device__ __forceinline__ void stage_chunk(const float (&acc)[kNumAcc], uint32_t chunk, Addr addr) {
-    const uint32_t lane = ptx::lane_idx();
-    const uint32_t row = ((threadIdx.x % 128) / 32) * 16 + lane / 4, col = (lane % 4) * 2;
-    #pragma unroll
-    for (uint32_t j = 0; j < kChunkN / 8; ++j) {  // j: a group of 8 columns
-        const uint32_t i = (chunk * kChunkN / 8 + j) * 4;
-        #pragma unroll
-        for (uint32_t half = 0; half < 2; ++half) {
-            uint8_t* ptr = addr(row + half * 8, (j * 8 + col) * static_cast<uint32_t>(sizeof(OutT)));
-            const float x = acc[i + half * 2], y = acc[i + half * 2 + 1];
-            if constexpr (std::is_same_v<OutT, float>)
-                ptx::st_shared_v2(ptr, x, y);
-            else
-                ptx::st_shared_u32(ptr, ptx::pack_bf16x2(x, y));
-        }
-    }
+    for_each_column_pair<kChunkN>(chunk, [&](uint32_t r, uint32_t c, uint32_t i) {
+        uint8_t* ptr = addr(r, c * static_cast<uint32_t>(sizeof(OutT)));
+        if constexpr (std::is_same_v<OutT, float>)
+            ptx::st_shared_v2(ptr, acc[i], acc[i + 1]);
+        else
+            ptx::st_shared_u32(ptr, ptx::pack_bf16x2(acc[i], acc[i + 1]));
+    });
 }
 
 // Bytes of shared memory one warpgroup needs for `store_bf16_staged`.
@@ -132,6 +145,13 @@ struct SwizzledStaging {
     static constexpr uint32_t kBytesPerWarpgroup = kNumBuffers * kBufferBytes;
 };
 
+// Byte `byte` of row r in a 64-row x 128-byte buffer (1024-byte aligned) laid out in the tensor
+// maps' 128-byte swizzle: row r's 16-byte pieces are permuted by r % 8, so that the 8 rows a
+// warp writes at once fall on different banks.
+__device__ __forceinline__ uint8_t* swizzled_128b(uint8_t* buffer, uint32_t r, uint32_t byte) {
+    return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
+}
+
 // Asynchronous epilogue through tensor stores: each 128-byte-wide column chunk of the
 // warpgroup's 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at
 // once are spread over the banks), then one 3-D TMA store of `desc` at (n, m, g) drains it
@@ -162,7 +182,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
         for (uint32_t i = 0; i < kBatch; ++i) {
             uint8_t* buffer = half + i * Layout::kBufferBytes;
             stage_chunk<Layout::kChunkN, OutT>(acc, batch * kBatch + i, [&](uint32_t r, uint32_t byte) {
-                return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;  // byte: within the 128-byte row
+                return swizzled_128b(buffer, r, byte);
             });
         }
         ptx::fence_view_async_shared();  // the tensor stores read through the async proxy

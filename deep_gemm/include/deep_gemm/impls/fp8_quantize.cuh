@@ -11,126 +11,16 @@
 // The transposed copy and the column scales come from a bf16 copy of the tile in shared memory.
 #include <cstdint>
 #include <cuda_bf16.h>
-#include "../ptx/fp8.cuh"
-#include "../ptx/utils.cuh"
-#include "../ptx/vec.cuh"
+#include "../quant/tiles.cuh"
 
 namespace deep_gemm {
 
 namespace fp8_quantize {
 
-constexpr uint32_t kTile = 128;
-constexpr uint32_t kNumThreads = 256;
-constexpr uint32_t kRowsPerPass = kNumThreads / 16;  // 16 threads hold one 128-wide row (16 bytes each)
-constexpr uint32_t kNumPasses = kTile / kRowsPerPass;
-constexpr uint32_t kMaxGroups = 1024;
-
-// A tile in registers, as loaded (bf16): thread t holds columns 8 (t % 16) .. + 8 of rows
-// t / 16 + 16 i, i < 8.
-struct TileRegs {
-    uint4 raw[kNumPasses];
-
-    __device__ __forceinline__ static uint32_t row(uint32_t i) { return i * kRowsPerPass + threadIdx.x / 16; }
-    __device__ __forceinline__ static uint32_t col() { return (threadIdx.x % 16) * ptx::kBF16PerVec; }
-
-    // Rows r < num_rows from `src` (row r at src + r * ld), zeros below; all loads in flight at once.
-    __device__ __forceinline__ void load(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows) {
-        load_rows(src, ld, num_rows, [](uint32_t r) { return static_cast<int64_t>(r); });
-    }
-
-    // Row r < num_rows from src + source_of(r) * ld (a negative source: zeros), zeros below.
-    template <typename SourceOf>
-    __device__ __forceinline__ void load_rows(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows,
-                                              const SourceOf& source_of) {
-        #pragma unroll
-        for (uint32_t i = 0; i < kNumPasses; ++i) {
-            const int64_t source = row(i) < num_rows ? source_of(row(i)) : -1;
-            raw[i] = source >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + source * ld + col()))
-                                 : make_uint4(0, 0, 0, 0);
-        }
-    }
-
-    // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
-    __device__ __forceinline__ float row_amax(uint32_t i) const {
-        float x[ptx::kBF16PerVec], amax = 0.0f;
-        ptx::bf16x8_to_float(raw[i], x);
-        #pragma unroll
-        for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
-            amax = fmaxf(amax, fabsf(x[j]));
-        #pragma unroll
-        for (uint32_t lanes = 8; lanes > 0; lanes /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
-        return amax;
-    }
-
-    // Row(i)'s eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
-    __device__ __forceinline__ void store_fp8(uint32_t i, float inv, uint8_t* dst) const {
-        float x[ptx::kBF16PerVec];
-        ptx::bf16x8_to_float(raw[i], x);
-        *reinterpret_cast<uint2*>(dst) = make_uint2(ptx::pack_e4m3x4(x[0] * inv, x[1] * inv, x[2] * inv, x[3] * inv),
-                                                    ptx::pack_e4m3x4(x[4] * inv, x[5] * inv, x[6] * inv, x[7] * inv));
-    }
-
-    // The tile into `smem` [128][128] bf16, for column reads.
-    __device__ __forceinline__ void to_smem(__nv_bfloat16* smem) const {
-        #pragma unroll
-        for (uint32_t i = 0; i < kNumPasses; ++i)
-            ptx::st_shared_v4(smem + row(i) * kTile + col(), raw[i]);
-    }
-};
-
 // Where a tile of the activations lies: its 128-row block (of the padded columns, for the
 // transposed copy), its 128-column block, and the rows of x it reads.
 struct TileCoords {
     uint32_t block, kb, row_begin, num_rows;
-};
-
-// Thread t's share of a tile's columns in shared memory: columns 2 (t % 64) and 2 (t % 64) + 1 of
-// the 32 rows from 32 (t / 64) (a warp reads one 128-byte row at a time: no bank conflicts).
-struct ColumnPair {
-    static constexpr uint32_t kRows = kTile / (kNumThreads / 64);
-    __nv_bfloat162 x[kRows];  // row r: (column col(), column col() + 1)
-
-    __device__ __forceinline__ static uint32_t col() { return 2 * (threadIdx.x % 64); }
-    __device__ __forceinline__ static uint32_t first_row() { return kRows * (threadIdx.x / 64); }
-
-    __device__ __forceinline__ void load(const __nv_bfloat16* smem) {
-        #pragma unroll
-        for (uint32_t r = 0; r < kRows; ++r)
-            x[r] = *reinterpret_cast<const __nv_bfloat162*>(smem + (first_row() + r) * kTile + col());
-    }
-
-    // amax over the kRows rows of each column: (column col(), column col() + 1).
-    __device__ __forceinline__ float2 amax() const {
-        float2 m = make_float2(0.0f, 0.0f);
-        #pragma unroll
-        for (uint32_t r = 0; r < kRows; ++r) {
-            const float2 v = __bfloat1622float2(x[r]);
-            m.x = fmaxf(m.x, fabsf(v.x)), m.y = fmaxf(m.y, fabsf(v.y));
-        }
-        return m;
-    }
-
-    // Column `which` (0: col(), 1: col() + 1), its kRows values times `inv` (1 / scale) as e4m3,
-    // to `dst` (kRows bytes).
-    __device__ __forceinline__ void store_fp8(uint32_t which, float inv, uint8_t* dst) const {
-        #pragma unroll
-        for (uint32_t r = 0; r < kRows; r += 16) {
-            uint4 out;
-            uint32_t* words = reinterpret_cast<uint32_t*>(&out);
-            #pragma unroll
-            for (uint32_t w = 0; w < 4; ++w) {
-                float v[4];
-                #pragma unroll
-                for (uint32_t j = 0; j < 4; ++j) {
-                    const float2 pair = __bfloat1622float2(x[r + 4 * w + j]);
-                    v[j] = (which == 0 ? pair.x : pair.y) * inv;
-                }
-                words[w] = ptx::pack_e4m3x4(v[0], v[1], v[2], v[3]);
-            }
-            *reinterpret_cast<uint4*>(dst + r) = out;
-        }
-    }
 };
 
 }  // namespace fp8_quantize
@@ -209,12 +99,11 @@ struct Fp8QuantizeActivations {
 
     __device__ __forceinline__ static void run(const Fp8QuantizeActivationsParams& p) {
         using namespace fp8_quantize;
-        __shared__ __align__(16) __nv_bfloat16 tile_smem[kTile * kTile];
+        __shared__ __align__(16) ColumnSmem column_smem;
         __shared__ int padded[kMaxGroups + 1];
-        __shared__ float col_amax[kNumThreads / 64][kTile];
         const bool transposed = p.qt != nullptr;
         if (transposed)
-            padded_offsets(p, padded);
+            padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
         __syncthreads();
 
         const uint32_t num_k_blocks = p.k / kTile;
@@ -226,12 +115,8 @@ struct Fp8QuantizeActivations {
         const auto coords = [&](uint32_t t) {
             TileCoords c{t / num_k_blocks, t % num_k_blocks, 0, 0};
             c.row_begin = c.block * kTile, c.num_rows = min(kTile, p.m - min(c.row_begin, p.m));
-            if (transposed) {
-                const uint32_t g = group_of(padded, p.num_groups, c.block * kTile);
-                const uint32_t begin = clamped(p.offsets, g, 0, p.m), end = clamped(p.offsets, g + 1, begin, p.m);
-                c.row_begin = begin + c.block * kTile - padded[g];
-                c.num_rows = min(kTile, end - min(c.row_begin, end));
-            }
+            if (transposed)
+                padded_block_rows(padded, p.offsets, p.num_groups, p.m, c.block, c.row_begin, c.num_rows);
             return c;
         };
         const auto load = [&](TileRegs& regs, const TileCoords& c) { Source::load(regs, p, c); };
@@ -246,108 +131,13 @@ struct Fp8QuantizeActivations {
             if (t + gridDim.x < num_tiles)
                 next_coords = coords(t + gridDim.x), load(next, next_coords);
 
-            if (p.q != nullptr) {
-                #pragma unroll
-                for (uint32_t i = 0; i < kNumPasses; ++i) {
-                    const float scale = ScaleRule::of(regs.row_amax(i));
-                    const uint32_t r = TileRegs::row(i);
-                    if (r < num_rows) {
-                        regs.store_fp8(i, __frcp_rn(scale), p.q + static_cast<uint64_t>(row_begin + r) * p.k + kb * kTile + TileRegs::col());
-                        if (threadIdx.x % 16 == 0)
-                            p.scales[static_cast<uint64_t>(kb) * p.scales_ld + row_begin + r] = scale;
-                    }
-                }
-            }
-            if (transposed) {
-                regs.to_smem(tile_smem);
-                __syncthreads();
-                ColumnPair cols;
-                cols.load(tile_smem);
-                const uint32_t quarter = threadIdx.x / 64;
-                const float2 mine = cols.amax();
-                col_amax[quarter][ColumnPair::col()] = mine.x;
-                col_amax[quarter][ColumnPair::col() + 1] = mine.y;
-                __syncthreads();
-                float amax[2] = {0.0f, 0.0f};
-                #pragma unroll
-                for (uint32_t j = 0; j < kNumThreads / 64; ++j)
-                    amax[0] = fmaxf(amax[0], col_amax[j][ColumnPair::col()]),
-                    amax[1] = fmaxf(amax[1], col_amax[j][ColumnPair::col() + 1]);
-                const float scale[2] = {ScaleRule::of(amax[0]), ScaleRule::of(amax[1])};
-                const uint32_t c = kb * kTile + ColumnPair::col();
-                const uint64_t qt_col = static_cast<uint64_t>(block) * kTile + ColumnPair::first_row();
-                cols.store_fp8(0, __frcp_rn(scale[0]), p.qt + static_cast<uint64_t>(c) * p.mp + qt_col);
-                cols.store_fp8(1, __frcp_rn(scale[1]), p.qt + static_cast<uint64_t>(c + 1) * p.mp + qt_col);
-                if (quarter == 0)
-                    *reinterpret_cast<float2*>(p.scales_t + static_cast<uint64_t>(block) * p.k + c) =
-                        make_float2(scale[0], scale[1]);
-                __syncthreads();  // tile_smem and col_amax are free for the next tile
-            }
+            if (p.q != nullptr)
+                store_rows_fp8<ScaleRule>(regs, num_rows, p.q + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k,
+                                          p.scales + static_cast<uint64_t>(kb) * p.scales_ld + row_begin);
+            if (transposed)
+                store_columns_fp8<ScaleRule>(regs, column_smem, p.qt + static_cast<uint64_t>(kb) * kTile * p.mp + block * kTile,
+                                             p.mp, p.scales_t + static_cast<uint64_t>(block) * p.k + kb * kTile);
         }
-    }
-
-    __device__ __forceinline__ static uint32_t clamped(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
-        return min(max(static_cast<uint32_t>(max(__ldg(offsets + i), 0)), lo), hi);
-    }
-
-    // padded[g] = sum over g' < g of group g' rounded up to 128 rows (an exclusive scan, each
-    // thread over up to kMaxGroups / kNumThreads groups); CTA 0 also writes it out for the GEMMs.
-    __device__ __forceinline__ static void padded_offsets(const Fp8QuantizeActivationsParams& p, int* padded) {
-        using namespace fp8_quantize;
-        __shared__ int warp_sums[kNumThreads / 32];
-        constexpr uint32_t kPerThread = kMaxGroups / kNumThreads;
-        const uint32_t first = threadIdx.x * kPerThread;
-        int sizes[kPerThread], sum = 0;
-        #pragma unroll
-        for (uint32_t j = 0; j < kPerThread; ++j) {
-            const uint32_t g = first + j;
-            sizes[j] = 0;
-            if (g < p.num_groups) {
-                const uint32_t begin = clamped(p.offsets, g, 0, p.m);
-                sizes[j] = static_cast<int>(ptx::ceil_div(clamped(p.offsets, g + 1, begin, p.m) - begin, kTile) * kTile);
-            }
-            sum += sizes[j];
-        }
-        const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        int inclusive = sum;
-        #pragma unroll
-        for (uint32_t d = 1; d < 32; d *= 2) {
-            const int other = __shfl_up_sync(0xffffffff, inclusive, d);
-            if (lane >= d)
-                inclusive += other;
-        }
-        if (lane == 31)
-            warp_sums[warp] = inclusive;
-        __syncthreads();
-        int before = inclusive - sum;
-        for (uint32_t w = 0; w < warp; ++w)
-            before += warp_sums[w];
-        #pragma unroll
-        for (uint32_t j = 0; j < kPerThread; ++j) {
-            if (first + j < p.num_groups)
-                padded[first + j] = before;
-            before += sizes[j];
-        }
-        if (threadIdx.x == kNumThreads - 1)  // (its `before` now holds every group)
-            padded[p.num_groups] = before;
-        __syncthreads();
-        if (blockIdx.x == 0) {
-            for (uint32_t g = threadIdx.x; g <= p.num_groups; g += kNumThreads)
-                p.padded_offsets[g] = padded[g];
-        }
-    }
-
-    // The group whose padded columns hold column `col` (< padded[G]): the last g with padded[g] <= col.
-    __device__ __forceinline__ static uint32_t group_of(const int* padded, uint32_t num_groups, uint32_t col) {
-        uint32_t lo = 0, hi = num_groups;  // padded[lo] <= col < padded[hi]
-        while (hi - lo > 1) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (static_cast<uint32_t>(padded[mid]) <= col)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        return lo;
     }
 };
 

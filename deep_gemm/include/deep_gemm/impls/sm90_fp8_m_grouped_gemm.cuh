@@ -4,8 +4,9 @@
 // per 128 x 128. The forward runs it on the weights, the data gradient on their transposed copy
 // (both operands of FP8 WGMMA are K-major). The same structure as the bf16 kernel: persistent,
 // warp-specialised, scheduler::MGroupedScheduler's tiles and passes, comm::PassGate, A's rows by
-// the Producer policy (with their scales), the bf16 Epilogue policy; the mainloop promotes every
-// 128-deep k-block into fp32 with its scales (mma/pipeline_fp8.cuh).
+// the Producer policy (with their scales), the Epilogue policy (bf16 out; SwiGLU's act in bf16 or
+// e4m3); the mainloop promotes every 128-deep k-block into fp32 with its scales
+// (mma/pipeline_fp8.cuh).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../comm/flags.cuh"
@@ -21,9 +22,12 @@ struct alignas(128) MGroupedFp8GemmParams {
     CUtensorMap tensor_map_b;         // B as [G * N, K] e4m3; box {128, BLOCK_N / Epilogue::Columns::kNumBoxes}
     CUtensorMap tensor_map_d;         // D as [1, M, N] bf16; box {64 (N), 64 rows, 1}
     CUtensorMap tensor_map_scales_a;  // A's scales as [K / 128][a_rows] fp32 (row stride a_scales_ld); box {132, 1}
-    CUtensorMap tensor_map_act;       // act as [1, M, N / 2] bf16, box {64, 64, 1} (epilogue::SwiGLUTensorStore)
+    CUtensorMap tensor_map_act;       // act as [1, M, N / 2]: bf16, box {64, 64, 1} (epilogue::SwiGLUTensorStore),
+                                      // or e4m3, box {128, 64, 1} (epilogue::SwiGLUFp8ActTensorStore)
     __nv_bfloat16* d;                 // [M, N]
     __nv_bfloat16* act;               // [M, N / 2] (epilogue::SwiGLUTensorStore)
+    uint8_t* act_fp8;                 // [M, N / 2] e4m3 (epilogue::SwiGLUFp8ActTensorStore)
+    float* act_scales;                // act_fp8's per 1 x 128: (m, kb) at act_scales[kb * act_scales_ld + m]
     const int* group_offsets;         // [G * num_passes + 1]
     const int64_t* a_row_index;       // [M] (producer::Fp8GatheredRows)
     const uint8_t* a;                 // the source rows [a_rows, K] (producer::Fp8GatheredRows)
@@ -31,7 +35,7 @@ struct alignas(128) MGroupedFp8GemmParams {
     const float* b_scales;            // B's scale of (g, n block, k block) at g * stride_g + n * stride_n + k * stride_k
     const int* ready_flags;           // [num_passes] or null
     uint32_t m, n, k, num_groups, a_rows, num_passes, pass_begin, pass_end;
-    uint32_t a_scales_ld, b_scales_stride_g, b_scales_stride_n, b_scales_stride_k;
+    uint32_t a_scales_ld, b_scales_stride_g, b_scales_stride_n, b_scales_stride_k, act_scales_ld;
 };
 
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epilogue>

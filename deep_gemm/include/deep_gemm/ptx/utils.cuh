@@ -48,6 +48,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+__device__ __forceinline__ void st_shared_u16(void* ptr, uint16_t value) {
+    asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(smem_addr(ptr)), "h"(value) : "memory");
+}
+
 __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
     asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(smem_addr(ptr)), "r"(value) : "memory");
 }

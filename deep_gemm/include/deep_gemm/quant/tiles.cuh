@@ -1,0 +1,255 @@
+#pragma once
+// The pieces of the FP8 quantization kernels (impls/fp8_quantize.cuh, impls/moe_swiglu_bwd_fp8.cuh):
+// a 128 x 128 bf16 tile in registers, its rows quantized per 1 x 128 from registers, its columns
+// per 128 x 1 through a bf16 copy in shared memory, and the groups' padded offsets of the
+// transposed copies (each group's rows padded with zeros to a multiple of 128, so that a scale
+// block never holds two groups). 256 threads a CTA.
+#include <cstdint>
+#include <cuda_bf16.h>
+#include "../ptx/fp8.cuh"
+#include "../ptx/utils.cuh"
+#include "../ptx/vec.cuh"
+
+namespace deep_gemm {
+
+namespace fp8_quantize {
+
+constexpr uint32_t kTile = 128;
+constexpr uint32_t kNumThreads = 256;
+constexpr uint32_t kRowsPerPass = kNumThreads / 16;  // 16 threads hold one 128-wide row (16 bytes each)
+constexpr uint32_t kNumPasses = kTile / kRowsPerPass;
+constexpr uint32_t kMaxGroups = 1024;
+
+// A tile in registers, as loaded (bf16): thread t holds columns 8 (t % 16) .. + 8 of rows
+// t / 16 + 16 i, i < 8.
+struct TileRegs {
+    uint4 raw[kNumPasses];
+
+    __device__ __forceinline__ static uint32_t row(uint32_t i) { return i * kRowsPerPass + threadIdx.x / 16; }
+    __device__ __forceinline__ static uint32_t col() { return (threadIdx.x % 16) * ptx::kBF16PerVec; }
+
+    // Rows r < num_rows from `src` (row r at src + r * ld), zeros below; all loads in flight at once.
+    __device__ __forceinline__ void load(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows) {
+        load_rows(src, ld, num_rows, [](uint32_t r) { return static_cast<int64_t>(r); });
+    }
+
+    // Row r < num_rows from src + source_of(r) * ld (a negative source: zeros), zeros below.
+    template <typename SourceOf>
+    __device__ __forceinline__ void load_rows(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows,
+                                              const SourceOf& source_of) {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumPasses; ++i) {
+            const int64_t source = row(i) < num_rows ? source_of(row(i)) : -1;
+            raw[i] = source >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + source * ld + col()))
+                                 : make_uint4(0, 0, 0, 0);
+        }
+    }
+
+    // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
+    __device__ __forceinline__ float row_amax(uint32_t i) const {
+        float x[ptx::kBF16PerVec], amax = 0.0f;
+        ptx::bf16x8_to_float(raw[i], x);
+        #pragma unroll
+        for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
+            amax = fmaxf(amax, fabsf(x[j]));
+        #pragma unroll
+        for (uint32_t lanes = 8; lanes > 0; lanes /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
+        return amax;
+    }
+
+    // Row(i)'s eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
+    __device__ __forceinline__ void store_fp8(uint32_t i, float inv, uint8_t* dst) const {
+        float x[ptx::kBF16PerVec];
+        ptx::bf16x8_to_float(raw[i], x);
+        *reinterpret_cast<uint2*>(dst) = make_uint2(ptx::pack_e4m3x4(x[0] * inv, x[1] * inv, x[2] * inv, x[3] * inv),
+                                                    ptx::pack_e4m3x4(x[4] * inv, x[5] * inv, x[6] * inv, x[7] * inv));
+    }
+
+    // The tile into `smem` [128][128] bf16, for column reads.
+    __device__ __forceinline__ void to_smem(__nv_bfloat16* smem) const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumPasses; ++i)
+            ptx::st_shared_v4(smem + row(i) * kTile + col(), raw[i]);
+    }
+};
+
+// Thread t's share of a tile's columns in shared memory: columns 2 (t % 64) and 2 (t % 64) + 1 of
+// the 32 rows from 32 (t / 64) (a warp reads one 128-byte row at a time: no bank conflicts).
+struct ColumnPair {
+    static constexpr uint32_t kRows = kTile / (kNumThreads / 64);
+    __nv_bfloat162 x[kRows];  // row r: (column col(), column col() + 1)
+
+    __device__ __forceinline__ static uint32_t col() { return 2 * (threadIdx.x % 64); }
+    __device__ __forceinline__ static uint32_t first_row() { return kRows * (threadIdx.x / 64); }
+
+    __device__ __forceinline__ void load(const __nv_bfloat16* smem) {
+        #pragma unroll
+        for (uint32_t r = 0; r < kRows; ++r)
+            x[r] = *reinterpret_cast<const __nv_bfloat162*>(smem + (first_row() + r) * kTile + col());
+    }
+
+    // amax over the kRows rows of each column: (column col(), column col() + 1).
+    __device__ __forceinline__ float2 amax() const {
+        float2 m = make_float2(0.0f, 0.0f);
+        #pragma unroll
+        for (uint32_t r = 0; r < kRows; ++r) {
+            const float2 v = __bfloat1622float2(x[r]);
+            m.x = fmaxf(m.x, fabsf(v.x)), m.y = fmaxf(m.y, fabsf(v.y));
+        }
+        return m;
+    }
+
+    // Column `which` (0: col(), 1: col() + 1), its kRows values times `inv` (1 / scale) as e4m3,
+    // to `dst` (kRows bytes).
+    __device__ __forceinline__ void store_fp8(uint32_t which, float inv, uint8_t* dst) const {
+        #pragma unroll
+        for (uint32_t r = 0; r < kRows; r += 16) {
+            uint4 out;
+            uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+            #pragma unroll
+            for (uint32_t w = 0; w < 4; ++w) {
+                float v[4];
+                #pragma unroll
+                for (uint32_t j = 0; j < 4; ++j) {
+                    const float2 pair = __bfloat1622float2(x[r + 4 * w + j]);
+                    v[j] = (which == 0 ? pair.x : pair.y) * inv;
+                }
+                words[w] = ptx::pack_e4m3x4(v[0], v[1], v[2], v[3]);
+            }
+            *reinterpret_cast<uint4*>(dst + r) = out;
+        }
+    }
+};
+
+
+// Rows r < num_rows of the tile quantized per 1 x 128: row r to q + r * ld (128 bytes), its scale
+// to scales[r]. Every thread of the CTA calls it (the row amax is a shuffle).
+template <typename ScaleRule>
+__device__ __forceinline__ void store_rows_fp8(const TileRegs& regs, uint32_t num_rows, uint8_t* q, uint64_t ld,
+                                               float* scales) {
+    #pragma unroll
+    for (uint32_t i = 0; i < kNumPasses; ++i) {
+        const float scale = ScaleRule::of(regs.row_amax(i));
+        const uint32_t r = TileRegs::row(i);
+        if (r < num_rows) {
+            regs.store_fp8(i, __frcp_rn(scale), q + r * ld + TileRegs::col());
+            if (threadIdx.x % 16 == 0)
+                scales[r] = scale;
+        }
+    }
+}
+
+// Shared memory of the column quantization: the tile, and each quarter's column amax.
+struct ColumnSmem {
+    __nv_bfloat16 tile[kTile * kTile];
+    float col_amax[kNumThreads / 64][kTile];
+};
+
+// The tile's columns quantized per 128 x 1 and transposed: column c to qt + c * ld (128 bytes), its
+// scale to scales[c]. Every thread of the CTA calls it; `smem` is free again when it returns.
+template <typename ScaleRule>
+__device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSmem& smem, uint8_t* qt, uint64_t ld,
+                                                  float* scales) {
+    regs.to_smem(smem.tile);
+    __syncthreads();
+    ColumnPair cols;
+    cols.load(smem.tile);
+    const uint32_t quarter = threadIdx.x / 64;
+    const float2 mine = cols.amax();
+    smem.col_amax[quarter][ColumnPair::col()] = mine.x;
+    smem.col_amax[quarter][ColumnPair::col() + 1] = mine.y;
+    __syncthreads();
+    float amax[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (uint32_t j = 0; j < kNumThreads / 64; ++j)
+        amax[0] = fmaxf(amax[0], smem.col_amax[j][ColumnPair::col()]),
+        amax[1] = fmaxf(amax[1], smem.col_amax[j][ColumnPair::col() + 1]);
+    const float scale[2] = {ScaleRule::of(amax[0]), ScaleRule::of(amax[1])};
+    const uint32_t c = ColumnPair::col();
+    cols.store_fp8(0, __frcp_rn(scale[0]), qt + static_cast<uint64_t>(c) * ld + ColumnPair::first_row());
+    cols.store_fp8(1, __frcp_rn(scale[1]), qt + static_cast<uint64_t>(c + 1) * ld + ColumnPair::first_row());
+    if (quarter == 0)
+        *reinterpret_cast<float2*>(scales + c) = make_float2(scale[0], scale[1]);
+    __syncthreads();  // smem is free for the next tile
+}
+
+// offsets[i] clamped into [lo, hi] (negative offsets read as 0).
+__device__ __forceinline__ uint32_t clamped(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
+    return min(max(static_cast<uint32_t>(max(__ldg(offsets + i), 0)), lo), hi);
+}
+
+// padded[g] = sum over g' < g of group g' (rows offsets[g'] .. offsets[g' + 1], clamped to m) rounded
+// up to 128 rows: an exclusive scan, each thread over up to kMaxGroups / kNumThreads groups. CTA 0
+// also writes it to `out` for the GEMMs. Every thread calls it; `padded` is ready when it returns.
+__device__ __forceinline__ void padded_offsets(const int* offsets, uint32_t num_groups, uint32_t m, int* padded,
+                                               int* out) {
+    __shared__ int warp_sums[kNumThreads / 32];
+    constexpr uint32_t kPerThread = kMaxGroups / kNumThreads;
+    const uint32_t first = threadIdx.x * kPerThread;
+    int sizes[kPerThread], sum = 0;
+    #pragma unroll
+    for (uint32_t j = 0; j < kPerThread; ++j) {
+        const uint32_t g = first + j;
+        sizes[j] = 0;
+        if (g < num_groups) {
+            const uint32_t begin = clamped(offsets, g, 0, m);
+            sizes[j] = static_cast<int>(ptx::ceil_div(clamped(offsets, g + 1, begin, m) - begin, kTile) * kTile);
+        }
+        sum += sizes[j];
+    }
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = sum;
+    #pragma unroll
+    for (uint32_t d = 1; d < 32; d *= 2) {
+        const int other = __shfl_up_sync(0xffffffff, inclusive, d);
+        if (lane >= d)
+            inclusive += other;
+    }
+    if (lane == 31)
+        warp_sums[warp] = inclusive;
+    __syncthreads();
+    int before = inclusive - sum;
+    for (uint32_t w = 0; w < warp; ++w)
+        before += warp_sums[w];
+    #pragma unroll
+    for (uint32_t j = 0; j < kPerThread; ++j) {
+        if (first + j < num_groups)
+            padded[first + j] = before;
+        before += sizes[j];
+    }
+    if (threadIdx.x == kNumThreads - 1)  // (its `before` now holds every group)
+        padded[num_groups] = before;
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        for (uint32_t g = threadIdx.x; g <= num_groups; g += kNumThreads)
+            out[g] = padded[g];
+    }
+}
+
+// The group whose padded rows hold padded row `row` (< padded[G]): the last g with padded[g] <= row.
+__device__ __forceinline__ uint32_t group_of(const int* padded, uint32_t num_groups, uint32_t row) {
+    uint32_t lo = 0, hi = num_groups;  // padded[lo] <= row < padded[hi]
+    while (hi - lo > 1) {
+        const uint32_t mid = (lo + hi) / 2;
+        if (static_cast<uint32_t>(padded[mid]) <= row)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+// The rows of padded block `block` (128 padded rows of one group): the first real row and how
+// many of the 128 are real (the rest are the group's zero padding).
+__device__ __forceinline__ void padded_block_rows(const int* padded, const int* offsets, uint32_t num_groups,
+                                                  uint32_t m, uint32_t block, uint32_t& row_begin, uint32_t& num_rows) {
+    const uint32_t g = group_of(padded, num_groups, block * kTile);
+    const uint32_t begin = clamped(offsets, g, 0, m), end = clamped(offsets, g + 1, begin, m);
+    row_begin = begin + block * kTile - padded[g];
+    num_rows = min(kTile, end - min(row_begin, end));
+}
+
+}  // namespace fp8_quantize
+
+}  // namespace deep_gemm
