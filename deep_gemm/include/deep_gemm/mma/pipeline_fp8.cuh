@@ -80,6 +80,9 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     // the stage, the last moves on to the next.
     const auto issue = [&](float (&part)[kProduct], auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
+        // (the descriptors are made before the wait, so the first MMA issues right after it)
+        const uint64_t desc_a = make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, 0);
+        const uint64_t desc_b = make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * 128 * kSwizzleBytes, 0);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
             before_mma(next.stage);
@@ -87,10 +90,8 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         warpgroup_fence_operand(part);
         warpgroup_arrive();
         #pragma unroll
-        for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)
-            WGMMAFp8<128>::mma(make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, k),
-                               make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * 128 * kSwizzleBytes, k),
-                               part, k > 0);
+        for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)  // k32 slices, 32 bytes apart in the swizzle row
+            WGMMAFp8<128>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts)

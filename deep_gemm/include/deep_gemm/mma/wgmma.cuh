@@ -45,6 +45,12 @@ __device__ __forceinline__ uint64_t make_operand_desc(const void* tile, uint32_t
     }
 }
 
+// The descriptor of the same layout `bytes` (a multiple of 16) further on: shared-memory
+// addresses stay below 2^18, so the start-address field does not carry into the next.
+__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
+    return desc + (bytes >> 4);
+}
+
 __device__ __forceinline__ void warpgroup_arrive() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

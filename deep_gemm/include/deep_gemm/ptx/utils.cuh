@@ -10,6 +10,12 @@ __device__ __forceinline__ uint32_t lane_idx() {
     return lane;
 }
 
+// The thread's warpgroup, as a value the compiler knows is the same across the warp: the MMA
+// descriptors built from it then stay in uniform registers (threadIdx.x / 128 alone does not).
+__device__ __forceinline__ uint32_t warpgroup_idx() {
+    return __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+}
+
 // Nanoseconds of the GPU's global timer (coarse ticks): for timeouts.
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
