@@ -79,7 +79,7 @@ struct Sm90BF16MGroupedGemm {
         } else {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             DG_TRACE(threadIdx.x % 128 == 0 ? 6 + threadIdx.x / 128 : 15, 1);
-            const uint32_t wg = threadIdx.x / 128;
+            const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             float acc[BLOCK_N / 2];
             while (scheduler.next(tile)) {

@@ -70,7 +70,7 @@ struct Sm90FP8KGroupedGemm {
             }
         } else {
             ptx::warpgroup_reg_alloc<kMathRegs>();
-            const uint32_t wg = threadIdx.x / 128;
+            const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];

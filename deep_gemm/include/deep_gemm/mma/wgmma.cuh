@@ -31,24 +31,24 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t lea
     return desc;
 }
 
-// Descriptor of the k16 slice `k` of a tile whose swizzle atoms start at `tile`.
-template <Major kMajor>
-__device__ __forceinline__ uint64_t make_operand_desc(const void* tile, uint32_t k) {
-    const auto* base = static_cast<const uint8_t*>(tile);
-    if constexpr (kMajor == Major::kKMajor) {
-        // Inside a 128-byte swizzle row, k16 slices sit 32 bytes apart; the hardware applies the
-        // XOR pattern on the final address, so a plain offset is right.
-        return make_smem_desc(base + k * 32, 0, 1024);
-    } else {
-        // k16 = two 8-row groups; successive 64-wide MN chunks are kMNChunkBytes apart.
-        return make_smem_desc(base + k * 16 * kSwizzleBytes, kMNChunkBytes, 1024);
-    }
-}
-
 // The descriptor of the same layout `bytes` (a multiple of 16) further on: shared-memory
 // addresses stay below 2^18, so the start-address field does not carry into the next.
 __device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
     return desc + (bytes >> 4);
+}
+
+// Descriptor of the k16 slice `k` of a tile whose swizzle atoms start at `tile`: the tile's
+// descriptor advanced, so that a loop over k builds one descriptor and adds to it.
+template <Major kMajor>
+__device__ __forceinline__ uint64_t make_operand_desc(const void* tile, uint32_t k) {
+    if constexpr (kMajor == Major::kKMajor) {
+        // Inside a 128-byte swizzle row, k16 slices sit 32 bytes apart; the hardware applies the
+        // XOR pattern on the final address, so a plain offset is right.
+        return advance_desc(make_smem_desc(tile, 0, 1024), k * 32);
+    } else {
+        // k16 = two 8-row groups; successive 64-wide MN chunks are kMNChunkBytes apart.
+        return advance_desc(make_smem_desc(tile, kMNChunkBytes, 1024), k * 16 * kSwizzleBytes);
+    }
 }
 
 __device__ __forceinline__ void warpgroup_arrive() {
