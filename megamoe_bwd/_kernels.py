@@ -31,7 +31,7 @@ quant = _module("quant")
 quant_reference = _module("quant.reference")
 quant_kernels = _module("quant.kernels")
 fp8_quantize_columns, fp8_quantize_rows, Fp8Rows = quant.fp8_quantize_columns, quant.fp8_quantize_rows, quant.Fp8Rows
-Fp8Columns = quant.Fp8Columns
+Fp8Columns, empty_fp8_rows = quant.Fp8Columns, quant.empty_fp8_rows
 
 moe_forward, moe_kernels, moe_layout = _module("moe.forward"), _module("moe.kernels"), _module("moe.layout")
 moe_fp8, moe_kernels_fp8 = _module("moe.fp8"), _module("moe.kernels_fp8")

@@ -220,6 +220,30 @@ def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather):
 
 
 @requires_sm90
+def test_swiglu_epilogue_with_fp8_act_in_passes_gives_the_bits_of_one_pass():
+    """The expert-parallel forward's GEMM1: rows gathered, in 2 passes per group (flags set), act
+    in e4m3: h and act bit for bit as one pass over the same groups computes them."""
+    run_sizes, inter, k = [0, 0, 1, 0, 60, 70, 30, 34, 0, 200], 256, 256
+    sizes = [run_sizes[2 * g] + run_sizes[2 * g + 1] for g in range(5)]
+    rows = sum(sizes)
+    a_fp8 = fp8_quantize_rows(torch.randn(rows // 2 + 1, k, device="cuda", dtype=torch.bfloat16))
+    index = torch.randint(0, a_fp8.data.shape[0], (rows,), device="cuda")
+    w = fp8_quantize_weights((torch.randn(5, 2 * inter, k, device="cuda") / k**0.5).to(torch.bfloat16))
+    outputs = []
+    for offsets, passes in ((offsets_from_sizes(sizes), 1), (offsets_from_sizes(run_sizes), 2)):
+        h = torch.full((rows, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+        act = _poisoned_fp8_rows(rows, inter)
+        flags = torch.ones(passes, dtype=torch.int32, device="cuda")
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous((a_fp8.data, a_fp8.scales), (w.data, w.scales), h,
+                                                          (act.data, act.scales), offsets, a_row_index=index,
+                                                          num_passes=passes, ready_flags=flags)
+        outputs.append((h, act))
+    (h1, act1), (h2, act2) = outputs
+    assert not bool(h1.isnan().any()) and torch.equal(_bits(h2), _bits(h1))
+    assert torch.equal(_bits(act2.data), _bits(act1.data)) and torch.equal(_bits(act2.scales), _bits(act1.scales))
+
+
+@requires_sm90
 def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
     """5 groups x 2 passes; flags already set (nothing to wait for); then one pass per launch."""
     run_sizes = [0, 0, 1, 0, 60, 70, 30, 34, 0, 200]

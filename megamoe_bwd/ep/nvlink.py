@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
-                        check_expert_ids, check_moe_inputs, fp8_quantize_columns, fp8_quantize_rows, fp8_weights,
+                        check_expert_ids, check_moe_inputs, empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows,
+                        fp8_weights,
                         gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
                         m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous,
                         moe_gather_rows_bf16, quant_kernels)
@@ -154,19 +155,18 @@ class _NvlinkMegaMoE(torch.autograd.Function):
 
 
 def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
-    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass, SwiGLU in its epilogue;
-    w1, w2 the weights' FP8 copies), its activation quantized per row; returns h, act's FP8
-    operand, GEMM2 and its B."""
+    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass; SwiGLU and the
+    activation's per-row quantization in its epilogue, as on one GPU; w1, w2 the weights' FP8
+    copies); returns h, act's FP8 operand, GEMM2 and its B."""
     h = recv_x.data.new_empty(layout.num_slots, w1.data.shape[1], dtype=torch.bfloat16)
-    act = h.new_empty(layout.num_slots, w1.data.shape[1] // 2)
+    act = empty_fp8_rows(layout.num_slots, w1.data.shape[1] // 2, h.device)
     try:
-        m_grouped_fp8_gemm_nt_swiglu_contiguous((recv_x.data, recv_x.scales), (w1.data, w1.scales), h, act, run_offsets,
-                                                a_row_index=layout.row_token, num_passes=arrival.num_passes,
-                                                ready_flags=arrival.ready_flags)
+        m_grouped_fp8_gemm_nt_swiglu_contiguous((recv_x.data, recv_x.scales), (w1.data, w1.scales), h,
+                                                (act.data, act.scales), run_offsets, a_row_index=layout.row_token,
+                                                num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
     finally:  # (also when it raised: the copies write into recv_x)
         arrival.join()
-    act_fp8 = fp8_quantize_rows(act)
-    return h, (act_fp8.data, act_fp8.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
+    return h, (act.data, act.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
 
 
 def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: torch.Tensor, layout: RoutingLayout,
