@@ -4,8 +4,12 @@ relatively), and each case alternates the two, call for call, over many rounds, 
 GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
 
     python scripts/ab_gemm.py BASE_CHECKOUT [--models 30b,235b,v3] [--routing uniform,skewed] [--rounds 10]
+                              [--precision bf16|fp8]
 
-Prints per case the medians (ms) of each tree's per-round medians and new / base. Needs a Hopper GPU.
+With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
+and data gradients on m-grouped FP8, the weight gradients with fp32 output on k-grouped FP8), on
+operands this checkout quantizes once for both trees. Prints per case the medians (ms) of each
+tree's per-round medians and new / base. Needs a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 from bench_common import require_sm90  # noqa: E402
-from bench_gemm import all_cases  # noqa: E402
+from bench_gemm import FP8_CASES, all_cases  # noqa: E402
+from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, warm_up_gpu  # noqa: E402
 
 
@@ -66,6 +71,30 @@ def make_call(lib, kind: str, d1: int, d2: int, sizes: list, out_dtype: torch.dt
     return lambda: lib.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets)
 
 
+def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
+    """One FP8 GEMM of `bench_gemm.py`'s FP8 case `label` through library `lib`, on shared inputs."""
+    rows, num_groups = sum(sizes), len(sizes)
+    if "offsets" not in inputs:
+        inputs["offsets"] = offsets = offsets_from_sizes(sizes)
+        if label.startswith("wgrad"):
+            (_, inputs["a"]), (_, inputs["b"]) = (fp8_quantize_columns(torch.randn(rows, dim, device="cuda",
+                                                                                  dtype=torch.bfloat16), offsets)
+                                                  for dim in (d1, d2))
+            inputs["d"] = torch.empty(num_groups, d1, d2, device="cuda", dtype=torch.float32)
+        else:
+            n, k = d1, d2
+            forward = label.startswith("fwd")
+            inputs["a"] = fp8_quantize_rows(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+            w = fp8_quantize_weights(torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda",
+                                                 dtype=torch.bfloat16) / k**0.5)
+            inputs["b"] = (w.data, w.scales) if forward else (w.data_t, w.scales.transpose(1, 2))
+            inputs["d"] = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    a, b, d, offsets = inputs["a"], inputs["b"], inputs["d"], inputs["offsets"]
+    if label.startswith("wgrad"):
+        return lambda: lib.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
+    return lambda: lib.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), b, d, offsets)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -73,6 +102,7 @@ def main() -> None:
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     args = parser.parse_args()
     require_sm90("ab_gemm.py")
     base = import_checkout(args.base, "deep_gemm_base")
@@ -81,9 +111,15 @@ def main() -> None:
     print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}", flush=True)
     worst = 0.0
     for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
+        if args.precision == "fp8" and label not in FP8_CASES:
+            continue
         inputs: dict = {}
-        calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
-                 "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
+        if args.precision == "fp8":
+            calls = {"new": make_fp8_call(deep_gemm, label, d1, d2, sizes, inputs),
+                     "base": make_fp8_call(base, label, d1, d2, sizes, inputs)}
+        else:
+            calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
+                     "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
         times = {"new": [], "base": []}
         for r in range(args.rounds):
             for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
