@@ -292,7 +292,7 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
             in bf16 its ``h`` is overwritten by its own gradient (2I bf16 per routed slot less
             peak memory; h's autograd version is bumped, so a saved copy of it cannot be reused
             silently); in FP8 h is released once read (the gradient leaves quantized). True
-            keeps it usable, at that memory cost.
+            keeps it usable: in bf16 at the memory of a second h, in FP8 at h's staying alive.
 
     Returns:
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],

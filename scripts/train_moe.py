@@ -95,7 +95,8 @@ def logged(losses: list, every: int) -> list:
 
 
 def max_relative_diff(values: list, base: list) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, base))
+    """NaN when there is nothing to compare (fewer steps than a logged window)."""
+    return max((abs(a - b) / abs(b) for a, b in zip(values, base)), default=float("nan"))
 
 
 def plot(results: dict, path: str, every: int) -> None:
@@ -138,6 +139,8 @@ def main() -> None:
     require_sm90("train_moe.py")
     if args.tokens % args.seq:
         sys.exit(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
+    if args.log_every < 1:
+        sys.exit(f"--log-every must be at least 1, got {args.log_every}")
     import megamoe_bwd.integrations.transformers  # noqa: F401  (registers "megamoe" and "megamoe_fp8")
 
     data = load_text()

@@ -149,7 +149,7 @@ def m_grouped_fp8_gemm_nt_swiglu_contiguous(a: tuple[torch.Tensor, torch.Tensor]
             `deep_gemm.quant.Fp8Rows` (as ``deep_gemm.quant.empty_fp8_rows(M, I, device)``
             allocates it): data ``[M, I]`` float8_e4m3fn, row-major; scales ``[M, I / 128]``
             fp32, column-major with a column stride that is a multiple of 4 and at least M
-            (``stride() == (1, align(M, 4))``), 16-byte aligned. The pair equals
+            (``empty_fp8_rows`` gives ``stride() == (1, align(M, 4))``), 16-byte aligned. The pair equals
             ``fp8_quantize_rows(act)`` of the bf16 act bit for bit (fp32 scales) and is the A
             operand of the second GEMM: no bf16 act is written, no quantization pass reads it.
 
