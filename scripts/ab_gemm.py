@@ -7,8 +7,10 @@ GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
                               [--precision bf16|fp8]
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
-and data gradients on m-grouped FP8, the weight gradients with fp32 output on k-grouped FP8), on
-operands this checkout quantizes once for both trees. Prints per case the medians (ms) of each
+and data gradients on m-grouped FP8, the weight gradients with fp32 output on k-grouped FP8) and
+the FP8 layer's two variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
+tokens; "fwd1 swiglu": SwiGLU with act written in e4m3), on operands this checkout quantizes
+once for both trees. Prints per case the medians (ms) of each
 tree's per-round medians and new / base. Needs a Hopper GPU.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from bench_common import require_sm90  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
-from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
+from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, warm_up_gpu  # noqa: E402
 
 
@@ -84,7 +86,10 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
         else:
             n, k = d1, d2
             forward = label.startswith("fwd")
-            inputs["a"] = fp8_quantize_rows(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+            a_rows = max(rows // 8, 1) if label == "fwd1 gather" else rows
+            inputs["a"] = fp8_quantize_rows(torch.randn(a_rows, k, device="cuda", dtype=torch.bfloat16))
+            inputs["index"] = torch.randint(0, a_rows, (rows,), device="cuda")
+            inputs["act"] = empty_fp8_rows(rows, n // 2, "cuda")
             w = fp8_quantize_weights(torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda",
                                                  dtype=torch.bfloat16) / k**0.5)
             inputs["b"] = (w.data, w.scales) if forward else (w.data_t, w.scales.transpose(1, 2))
@@ -92,7 +97,12 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
     a, b, d, offsets = inputs["a"], inputs["b"], inputs["d"], inputs["offsets"]
     if label.startswith("wgrad"):
         return lambda: lib.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
-    return lambda: lib.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), b, d, offsets)
+    if label == "fwd1 swiglu":
+        act = inputs["act"]
+        return lambda: lib.m_grouped_fp8_gemm_nt_swiglu_contiguous((a.data, a.scales), b, d, (act.data, act.scales),
+                                                                   offsets)
+    index = inputs["index"] if label == "fwd1 gather" else None
+    return lambda: lib.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), b, d, offsets, a_row_index=index)
 
 
 def main() -> None:
@@ -111,7 +121,7 @@ def main() -> None:
     print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}", flush=True)
     worst = 0.0
     for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
-        if args.precision == "fp8" and label not in FP8_CASES:
+        if args.precision == "fp8" and label not in FP8_CASES + ("fwd1 gather", "fwd1 swiglu"):
             continue
         inputs: dict = {}
         if args.precision == "fp8":
