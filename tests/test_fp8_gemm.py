@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from deep_gemm.quant import (empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              reference)
-from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
+from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error, same_bits,  # noqa: E402
                                torch_fp8_rowwise_grouped_mm)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -181,10 +181,6 @@ def _poisoned_fp8_rows(m: int, k: int):
     return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @requires_sm90
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
 def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather):
@@ -211,9 +207,9 @@ def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather):
     h, act = torch.full_like(h_bf16, float("nan")), _poisoned_fp8_rows(a.shape[0], inter)
     gemm(h=h, act=(act.data, act.scales))
     expected = fp8_quantize_rows(act_bf16[:rows].contiguous())
-    assert torch.equal(_bits(h), _bits(h_bf16))
-    assert torch.equal(_bits(act.data[:rows]), _bits(expected.data))
-    assert torch.equal(_bits(act.scales[:rows]), _bits(expected.scales))
+    assert same_bits(h, h_bf16)
+    assert same_bits(act.data[:rows], expected.data)
+    assert same_bits(act.scales[:rows], expected.scales)
     assert bool((act.data[rows:].view(torch.uint8) == 0xFF).all()) and bool(act.scales[rows:].isnan().all())
     zero_row = 7 if gather else 5
     assert bool((expected.scales[zero_row] == 1).all()), "a zero row's scales are 1"
@@ -240,8 +236,8 @@ def test_swiglu_epilogue_with_fp8_act_in_passes_gives_the_bits_of_one_pass():
         outputs.append((h, act))
     (h1, act1), (h2, act2) = outputs
     assert not bool(h1.isnan().any()) and not bool(act1.scales.isnan().any()), "one pass wrote every row"
-    assert torch.equal(_bits(h2), _bits(h1))
-    assert torch.equal(_bits(act2.data), _bits(act1.data)) and torch.equal(_bits(act2.scales), _bits(act1.scales))
+    assert same_bits(h2, h1)
+    assert same_bits(act2.data, act1.data) and same_bits(act2.scales, act1.scales)
 
 
 @requires_sm90
