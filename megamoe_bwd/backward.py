@@ -208,17 +208,11 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     kernels.get_kernel("moe_combine")
 
 
-def fp8_transposed(weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data gradients' B: the transposed copy of `Fp8Weights` and its scales (FP8 MMAs read
-    both operands K-major)."""
-    return weights.data_t, weights.scales.transpose(1, 2)
-
-
 def fp8_data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor,
                       **gemm_args) -> torch.Tensor:
     """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``;
     `gemm_args` go to the GEMM (row gathers, passes)."""
-    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), fp8_transposed(weights), out, offsets, **gemm_args)
+    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), weights.transposed_operand(), out, offsets, **gemm_args)
     return out
 
 

@@ -92,7 +92,7 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
             inputs["act"] = empty_fp8_rows(rows, n // 2, "cuda")
             w = fp8_quantize_weights(torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda",
                                                  dtype=torch.bfloat16) / k**0.5)
-            inputs["b"] = (w.data, w.scales) if forward else (w.data_t, w.scales.transpose(1, 2))
+            inputs["b"] = (w.data, w.scales) if forward else w.transposed_operand()
             inputs["d"] = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     a, b, d, offsets = inputs["a"], inputs["b"], inputs["d"], inputs["offsets"]
     if label.startswith("wgrad"):

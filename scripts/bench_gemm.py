@@ -206,7 +206,7 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) 
         # b as the GEMM reads it: [G, N, K] (the forward's weights, or the data gradient's transposed copy)
         w = torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda", dtype=torch.bfloat16) / k**0.5
         qx, qw = fp8_quantize_rows(x), fp8_quantize_weights(w)
-        b_fp8 = (qw.data, qw.scales) if forward else (qw.data_t, qw.scales.transpose(1, 2))
+        b_fp8 = (qw.data, qw.scales) if forward else qw.transposed_operand()
         b_nk = w if forward else w.transpose(1, 2).contiguous()
         d, d_bf16 = (torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ours = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((qx.data, qx.scales), b_fp8, d, offsets)  # noqa: E731

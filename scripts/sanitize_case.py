@@ -81,7 +81,7 @@ _, c1 = fp8_quantize_columns(torch.randn(rows, 384, device="cuda", dtype=torch.b
 fp8_quantize_columns(x8[:100], offsets, row_index=index, with_rows=True)  # rows gathered in the loads, some out of range
 _, c2 = fp8_quantize_columns(x8, offsets)
 dy8 = fp8_quantize_rows(d8)  # the data gradient, on the weights' transposed copy
-deep_gemm.m_grouped_fp8_gemm_nt_contiguous((dy8.data, dy8.scales), (w8.data_t, w8.scales.transpose(1, 2)), dx8, offsets)
+deep_gemm.m_grouped_fp8_gemm_nt_contiguous((dy8.data, dy8.scales), w8.transposed_operand(), dx8, offsets)
 for dtype in (torch.float32, torch.bfloat16):
     for accumulate in (False, True):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),

@@ -62,7 +62,7 @@ def _problem(spec, n: int, k: int, data_gradient: bool = False):
          / k**0.5).to(torch.bfloat16)
     q = fp8_quantize_weights(w)
     if data_gradient:
-        return sizes, a, w.transpose(1, 2), (q.data_t, q.scales.transpose(1, 2)), q
+        return sizes, a, w.transpose(1, 2), q.transposed_operand(), q
     return sizes, a, w, (q.data, q.scales), q
 
 

@@ -115,7 +115,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         b: ``(data, scales)``: data ``[G, N, K]`` float8_e4m3fn, row-major; scales
             ``[G, N / 128, K / 128]`` fp32, one per 128 x 128, any strides. For weights ``w`` quantized
             by ``deep_gemm.quant.fp8_quantize_weights``: the forward passes ``(w.data, w.scales)``,
-            the data gradient ``(w.data_t, w.scales.transpose(1, 2))``.
+            the data gradient ``w.transposed_operand()`` (``(w.data_t, w.scales.transpose(1, 2))``).
         d: ``[M, N]`` bf16 output. Only rows inside a group are written.
         group_offsets: ``[G + 1]`` int32 on the GPU: group g owns rows ``[offsets[g], offsets[g+1])``;
             sizes are arbitrary (zero, one row, not multiples of 128: no padding). No host sync.

@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous
 from ..quant import Fp8Weights, empty_fp8_rows, fp8_quantize_rows, fp8_quantize_weights
-from ..quant.kernels import MAX_GROUPS
+from ..quant.kernels import MAX_GROUPS, quantization_fits
 from .forward import MegaMoEHandle, prepare_forward
 from .kernels import moe_combine_bf16
 from .layout import RoutingLayout
@@ -85,7 +85,7 @@ def check_fp8_sizes(x: torch.Tensor, topk_idx: torch.Tensor, l1: torch.Tensor) -
     num_experts, two_inter, hidden = l1.shape
     if num_experts > MAX_GROUPS:
         raise ValueError(f"fp8_mega_moe takes at most {MAX_GROUPS} experts, got {num_experts}")
-    if x.shape[0] * topk_idx.shape[1] * max(hidden, two_inter) >= 2**31:
+    if not quantization_fits(x.shape[0] * topk_idx.shape[1], max(hidden, two_inter)):
         raise ValueError(f"fp8_mega_moe quantizes [T * K, max(H, 2I)] = [{x.shape[0] * topk_idx.shape[1]}, "
                          f"{max(hidden, two_inter)}] in one pass, which takes fewer than 2^31 elements")
 

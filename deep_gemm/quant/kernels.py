@@ -21,6 +21,13 @@ _WEIGHTS = ParamsStruct("deep_gemm::Fp8QuantizeWeightsParams", [
     ("w", "ptr"), ("q", "ptr"), ("qt", "ptr"), ("scales", "ptr"), ("num_groups", "u32"), ("n", "u32"), ("k", "u32")])
 _NUM_THREADS = 256
 MAX_GROUPS = 1024  # the kernel scans the group sizes in shared memory (fp8_quantize::kMaxGroups)
+MAX_ELEMENTS = 2**31  # (exclusive) the kernels count elements in 32 bits
+
+
+def quantization_fits(rows: int, cols: int, num_groups: int = 1) -> bool:
+    """Whether one quantization pass takes ``[rows, cols]`` in `num_groups` groups: fewer than
+    MAX_ELEMENTS elements, at most MAX_GROUPS groups."""
+    return rows * cols < MAX_ELEMENTS and num_groups <= MAX_GROUPS
 
 
 # kernel -> (C++ struct with its template arguments after the scale rule, parameters)

@@ -48,6 +48,11 @@ class Fp8Weights:
     data_t: torch.Tensor
     scales: torch.Tensor
 
+    def transposed_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data gradient's B for the FP8 GEMMs (both operands K-major): ``(data_t, scales
+        [G, K / 128, N / 128])``, a view of the same scales."""
+        return self.data_t, self.scales.transpose(1, 2)
+
 
 def padded_group_width(num_rows: int, num_groups: int) -> int:
     """Columns of `Fp8Columns.data` for `num_rows` rows in `num_groups` groups: the most that

@@ -30,7 +30,7 @@ from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, 
                         moe_gather_rows_bf16, quant_kernels)
 
 from ..backward import (SideStream, dl1_gemm, fp8_data_gradient, fp8_dl1_gemm, fp8_swiglu_backward_and_dl2,
-                        fp8_transposed, routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
+                        routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
 from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
                        gemm_other_ranks_first, pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
 from .symm import SymmBuffer
@@ -119,7 +119,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                 recv_x = Fp8Rows(*saved_x)
                 recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
                 dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2, layout, arrival, grads)
-                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, fp8_transposed(fp8_weights(l1))
+                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, fp8_weights(l1).transposed_operand()
             else:
                 (recv_x,) = saved_x
                 recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
@@ -193,7 +193,7 @@ def fp8_exchange_fits(buffer: SymmBuffer, num_local_experts: int, inter: int) ->
     ``world * max_tokens * K`` routed rows of ``max(H, 2I)`` in one pass (32-bit element counts),
     over at most MAX_GROUPS local experts."""
     rows = buffer.world * buffer.max_tokens * buffer.num_topk
-    return rows * max(buffer.hidden, 2 * inter) < 2**31 and num_local_experts <= quant_kernels.MAX_GROUPS
+    return quant_kernels.quantization_fits(rows, max(buffer.hidden, 2 * inter), num_local_experts)
 
 
 def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
