@@ -60,6 +60,13 @@ struct Sm90FP8MGroupedGemm {
         return Columns::box_row(cols * 128 / kBoxRowsB, n_begin, n) + cols * 128 % kBoxRowsB;
     }
 
+    // Each product's B scale rides in the stage beside A's scales, copied by producer thread 0, so
+    // that the math warpgroups read it from shared memory rather than wait on an L2 read per product.
+    static constexpr uint32_t kBScaleSlot = 144;  // (floats: past Fp8TmaRows' 132 A scales)
+    static_assert((kBScaleSlot + BLOCK_N / 128) * sizeof(float) <= producer::kFp8ScaleStageBytes);
+    // Thread 0's cp.async arrival on each full barrier: the copy threads' own, or one more.
+    static constexpr uint32_t kNumCopyArrivals = Producer::kNumCopyThreads > 0 ? Producer::kNumCopyThreads : 1;
+
     __device__ __forceinline__ static void run(const MGroupedFp8GemmParams& p) {
         using namespace mma;
         using Scheduler = scheduler::MGroupedScheduler<BLOCK_M, BLOCK_N>;
@@ -67,7 +74,7 @@ struct Sm90FP8MGroupedGemm {
         const Smem smem{smem_buffer};
         const uint32_t num_k_blocks = p.k / BLOCK_K_FP8;
 
-        start_gemm<Producer::kNumCopyThreads, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        start_gemm<kNumCopyArrivals, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
         if (threadIdx.x == 0)  // once per CTA, for the stores the math warpgroups issue
             Epilogue::prefetch(p);
 
@@ -90,6 +97,16 @@ struct Sm90FP8MGroupedGemm {
                 const auto rows = Producer::begin(p, tile.row_begin, tile.num_rows, t);
                 produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = k_block * BLOCK_K_FP8;
+                    if (t == 0) {  // (before the copy threads' arrival, which then covers these copies)
+                        #pragma unroll
+                        for (uint32_t cols = 0; cols < BLOCK_N / 128; ++cols)
+                            ptx::cp_async_4(smem.scales(stage) + kBScaleSlot + cols,
+                                            p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
+                                                product_row(cols, tile.n_begin, p.n) / 128 * p.b_scales_stride_n +
+                                                k_block * p.b_scales_stride_k, true);
+                        if constexpr (Producer::kNumCopyThreads == 0)
+                            ptx::cp_async_arrive_noinc(bar);
+                    }
                     Producer::load(smem.a(stage), smem.scales(stage), p, rows, k, bar, t);
                     if (t == 0)
                         #pragma unroll
@@ -111,11 +128,8 @@ struct Sm90FP8MGroupedGemm {
                 zero_accum(acc);
                 consume_k_blocks_fp8<BLOCK_N, kNumStages, kNumProductSets>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t k_block, uint32_t cols) {
-                        // (the B scale's address made here, not kept across the tile: registers are short)
-                        const float b = __ldg(p.b_scales + static_cast<uint64_t>(tile.group) * p.b_scales_stride_g +
-                                              product_row(cols, tile.n_begin, p.n) / 128 * p.b_scales_stride_n +
-                                              k_block * p.b_scales_stride_k);
+                    [&](uint32_t stage, uint32_t, uint32_t cols) {
+                        const float b = smem.scales(stage)[kBScaleSlot + cols];
                         const float* a = smem.scales(stage) + Producer::scale_offset(tile.row_begin) + scale_row;
                         return RowScales{{a[0] * b, a[8] * b}};
                     },
