@@ -19,15 +19,17 @@ _PARAMS = ParamsStruct("deep_gemm::MoESwiGLUBwdFp8Params", [
     ("dz_qt", "ptr"), ("dz_scales_t", "ptr"), ("act_qt", "ptr"), ("act_scales_t", "ptr"), ("padded_offsets", "ptr"),
     ("row_dw", "ptr"), ("m", "u32"), ("inter", "u32"), ("num_groups", "u32"), ("scales_ld", "u32"), ("mp", "u32")])
 _NUM_THREADS = 256
+# Three fp8_quantize::ColumnSmem (a 128 x 128 bf16 tile and 4 x 128 fp32 column amaxes each) and
+# the 128 rows' weights.
+_SMEM_BYTES = 3 * (BLOCK * BLOCK * 2 + 4 * BLOCK * 4) + BLOCK * 4
 
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(power_of_two_scales: bool) -> Kernel:
-    # One CTA an SM: three tiles in registers (255 of them; capped at 128 for two CTAs, it
-    # spills 1.2 KB), 24 16-byte loads in flight a thread.
+    # Two CTAs an SM (registers capped at 128), each with its three tiles in shared memory.
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
     return build_kernel("moe_swiglu_bwd_fp8.cuh", "dg_moe_swiglu_bwd_fp8", f"deep_gemm::MoESwiGLUBwdFp8<{rule}>",
-                        _PARAMS, _NUM_THREADS)
+                        _PARAMS, _NUM_THREADS, _SMEM_BYTES, min_blocks_per_sm=2)
 
 
 def all_kernels() -> list[bool]:

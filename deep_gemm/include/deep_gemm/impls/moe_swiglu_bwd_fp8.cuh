@@ -9,7 +9,11 @@
 // impls/fp8_quantize.cuh applied to the bf16 kernel's dz and act_weighted, bit for bit; neither
 // bf16 tensor is written. CTAs walk the 128-row blocks of the experts' padded rows (rows past an
 // expert's end read as zeros, so the column copies' padding is zeros), each block's I / 128
-// column blocks in turn, keeping the rows' <d_act, act> in registers across them.
+// column blocks in turn, keeping the rows' <d_act, act> in registers across them. A column
+// block's gate, up and d_act come by cp.async into shared memory (no registers held while they
+// load) and are turned into dz's halves and act_weighted there in place, one 8-value piece at a
+// time; the column copies are quantized from there. Two CTAs an SM: one computes while the
+// other's loads are in flight.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../epilogue/activation.cuh"
@@ -36,10 +40,17 @@ struct MoESwiGLUBwdFp8Params {
 template <typename ScaleRule>
 struct MoESwiGLUBwdFp8 {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
+    struct Smem {
+        fp8_quantize::ColumnSmem tiles[3];  // gate -> dz's gate half, up -> dz's up half, d_act -> act_weighted
+        float weight[fp8_quantize::kTile];  // the block's row weights (zeros past its rows)
+    };
+    static constexpr uint32_t kSmemBytes = sizeof(Smem);
 
     __device__ __forceinline__ static void run(const MoESwiGLUBwdFp8Params& p) {
         using namespace fp8_quantize;
-        __shared__ __align__(16) ColumnSmem column_smem;
+        extern __shared__ __align__(16) uint8_t smem_buffer[];
+        Smem& smem = *reinterpret_cast<Smem*>(smem_buffer);
+        ColumnSmem* tiles = smem.tiles;
         __shared__ int padded[kMaxGroups + 1];
         padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
 
@@ -49,48 +60,61 @@ struct MoESwiGLUBwdFp8 {
         for (uint32_t block = blockIdx.x; block < num_blocks; block += gridDim.x) {
             uint32_t row_begin, num_rows;
             padded_block_rows(padded, p.offsets, p.num_groups, p.m, block, row_begin, num_rows);
-            float weight[kNumPasses], dot[kNumPasses];
+            if (threadIdx.x < kTile)  // (committed with the first column block's tiles)
+                ptx::cp_async_4(smem.weight + threadIdx.x, p.row_weight + row_begin + threadIdx.x,
+                                threadIdx.x < num_rows);
+            float dot[kNumPasses];
             #pragma unroll
-            for (uint32_t i = 0; i < kNumPasses; ++i) {
-                const uint32_t r = TileRegs::row(i);
-                weight[i] = r < num_rows ? __ldg(p.row_weight + row_begin + r) : 0.0f;
+            for (uint32_t i = 0; i < kNumPasses; ++i)
                 dot[i] = 0.0f;
-            }
             for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
-                // gate, up and d_act in, dz's two halves and act_weighted out, in the same registers
-                TileRegs gate, up, d_act;
+                // (shared memory is free: the last column quantization ended with a barrier)
                 const __nv_bfloat16* h = p.h + row_begin * h_ld + kb * kTile;
-                gate.load(h, h_ld, num_rows);
-                up.load(h + p.inter, h_ld, num_rows);
-                d_act.load(p.d_act + static_cast<uint64_t>(row_begin) * p.inter + kb * kTile, p.inter, num_rows);
-                #pragma unroll
-                for (uint32_t i = 0; i < kNumPasses; ++i) {
-                    float g[ptx::kBF16PerVec], u[ptx::kBF16PerVec], da[ptx::kBF16PerVec];
-                    ptx::bf16x8_to_float(gate.raw[i], g);
-                    ptx::bf16x8_to_float(up.raw[i], u);
-                    ptx::bf16x8_to_float(d_act.raw[i], da);
-                    #pragma unroll
-                    for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j) {  // (moe_swiglu_bwd.cuh's arithmetic)
-                        const epilogue::SwiGLUGrad s = epilogue::swiglu_grad(g[j], u[j], weight[i] * da[j]);
-                        dot[i] += da[j] * s.act;
-                        g[j] = s.d_gate, u[j] = s.d_up, da[j] = weight[i] * s.act;
-                    }
-                    gate.raw[i] = ptx::float_to_bf16x8(g);
-                    up.raw[i] = ptx::float_to_bf16x8(u);
-                    d_act.raw[i] = ptx::float_to_bf16x8(da);
-                }
+                TileRegs::copy_async(tiles[0].tile, h, h_ld, num_rows);
+                TileRegs::copy_async(tiles[1].tile, h + p.inter, h_ld, num_rows);
+                TileRegs::copy_async(tiles[2].tile, p.d_act + static_cast<uint64_t>(row_begin) * p.inter + kb * kTile,
+                                     p.inter, num_rows);
+                ptx::cp_async_commit();
+                ptx::cp_async_wait<0>();  // (each thread reads back only the pieces it copied)
+                if (kb == 0)
+                    __syncthreads();  // but the weights were copied by others
                 uint8_t* dz_rows = p.dz_q + row_begin * h_ld + kb * kTile;
                 float* dz_row_scales = p.dz_scales + static_cast<uint64_t>(kb) * p.scales_ld + row_begin;
-                store_rows_fp8<ScaleRule>(gate, num_rows, dz_rows, h_ld, dz_row_scales);
-                store_rows_fp8<ScaleRule>(up, num_rows, dz_rows + p.inter, h_ld,
-                                          dz_row_scales + static_cast<uint64_t>(num_k_blocks) * p.scales_ld);
+                #pragma unroll
+                for (uint32_t i = 0; i < kNumPasses; ++i) {
+                    uint4 piece[3];
+                    float g[ptx::kBF16PerVec], u[ptx::kBF16PerVec], da[ptx::kBF16PerVec];
+                    #pragma unroll
+                    for (uint32_t t = 0; t < 3; ++t)
+                        piece[t] = ptx::ld_shared_v4(tiles[t].tile + TileRegs::smem_offset(i));
+                    ptx::bf16x8_to_float(piece[0], g);
+                    ptx::bf16x8_to_float(piece[1], u);
+                    ptx::bf16x8_to_float(piece[2], da);
+                    const float weight = smem.weight[TileRegs::row(i)];
+                    #pragma unroll
+                    for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j) {  // (moe_swiglu_bwd.cuh's arithmetic)
+                        const epilogue::SwiGLUGrad s = epilogue::swiglu_grad(g[j], u[j], weight * da[j]);
+                        dot[i] += da[j] * s.act;
+                        g[j] = s.d_gate, u[j] = s.d_up, da[j] = weight * s.act;
+                    }
+                    piece[0] = ptx::float_to_bf16x8(g);
+                    piece[1] = ptx::float_to_bf16x8(u);
+                    piece[2] = ptx::float_to_bf16x8(da);
+                    const uint32_t r = TileRegs::row(i);
+                    store_row_fp8<ScaleRule>(piece[0], r, num_rows, dz_rows, h_ld, dz_row_scales);
+                    store_row_fp8<ScaleRule>(piece[1], r, num_rows, dz_rows + p.inter, h_ld,
+                                             dz_row_scales + static_cast<uint64_t>(num_k_blocks) * p.scales_ld);
+                    #pragma unroll
+                    for (uint32_t t = 0; t < 3; ++t)
+                        ptx::st_shared_v4(tiles[t].tile + TileRegs::smem_offset(i), piece[t]);
+                }
                 const uint64_t col = static_cast<uint64_t>(block) * kTile, mp = p.mp;
                 float* dz_col_scales = p.dz_scales_t + block * h_ld + kb * kTile;
-                store_columns_fp8<ScaleRule>(gate, column_smem, p.dz_qt + kb * kTile * mp + col, mp, dz_col_scales);
-                store_columns_fp8<ScaleRule>(up, column_smem, p.dz_qt + (p.inter + kb * kTile) * mp + col, mp,
-                                             dz_col_scales + p.inter);
-                store_columns_fp8<ScaleRule>(d_act, column_smem, p.act_qt + kb * kTile * mp + col, mp,
-                                             p.act_scales_t + static_cast<uint64_t>(block) * p.inter + kb * kTile);
+                store_smem_columns_fp8<ScaleRule>(tiles[0], p.dz_qt + kb * kTile * mp + col, mp, dz_col_scales);
+                store_smem_columns_fp8<ScaleRule>(tiles[1], p.dz_qt + (p.inter + kb * kTile) * mp + col, mp,
+                                                  dz_col_scales + p.inter);
+                store_smem_columns_fp8<ScaleRule>(tiles[2], p.act_qt + kb * kTile * mp + col, mp,
+                                                  p.act_scales_t + static_cast<uint64_t>(block) * p.inter + kb * kTile);
             }
             // each row's sum over its 16 threads, in a fixed order (deterministic)
             #pragma unroll

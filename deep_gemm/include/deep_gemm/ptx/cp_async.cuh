@@ -1,6 +1,7 @@
 #pragma once
-// cp.async row gathers into 128-byte-swizzled tiles: the loads a TMA box cannot express
-// (rows picked by an index), completing on the same mbarriers as the TMA loads.
+// cp.async: row gathers into 128-byte-swizzled tiles, the loads a TMA box cannot express (rows
+// picked by an index), completing on the same mbarriers as the TMA loads; and plain copies into
+// shared memory that complete by group.
 #include <cstdint>
 #include "barrier.cuh"
 #include "utils.cuh"
@@ -18,6 +19,13 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 4u : 0u) : "memory");
 }
+
+// Closes the group of this thread's cp.async issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <uint32_t N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
 // One arrival on `bar` once every cp.async this thread issued so far has landed. `noinc`:
 // the arrival is part of the barrier's expected count (see mma::GemmSmem::init_barriers).

@@ -1,11 +1,12 @@
 #pragma once
 // The pieces of the FP8 quantization kernels (impls/fp8_quantize.cuh, impls/moe_swiglu_bwd_fp8.cuh):
-// a 128 x 128 bf16 tile in registers, its rows quantized per 1 x 128 from registers, its columns
-// per 128 x 1 through a bf16 copy in shared memory, and the groups' padded offsets of the
+// a 128 x 128 bf16 tile in registers (or copied into shared memory in the same layout), its rows
+// quantized per 1 x 128 from registers, its columns per 128 x 1 through a bf16 copy in shared memory, and the groups' padded offsets of the
 // transposed copies (each group's rows padded with zeros to a multiple of 128, so that a scale
 // block never holds two groups). 256 threads a CTA.
 #include <cstdint>
 #include <cuda_bf16.h>
+#include "../ptx/cp_async.cuh"
 #include "../ptx/fp8.cuh"
 #include "../ptx/utils.cuh"
 #include "../ptx/vec.cuh"
@@ -20,13 +21,37 @@ constexpr uint32_t kRowsPerPass = kNumThreads / 16;  // 16 threads hold one 128-
 constexpr uint32_t kNumPasses = kTile / kRowsPerPass;
 constexpr uint32_t kMaxGroups = 1024;
 
+// The amax of a row over its 128 columns, from each of its 16 threads' piece of 8 values
+// (16 bytes of bf16): the 16 threads agree.
+__device__ __forceinline__ float row_amax(const uint4& piece) {
+    float x[ptx::kBF16PerVec], amax = 0.0f;
+    ptx::bf16x8_to_float(piece, x);
+    #pragma unroll
+    for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
+        amax = fmaxf(amax, fabsf(x[j]));
+    #pragma unroll
+    for (uint32_t lanes = 8; lanes > 0; lanes /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
+    return amax;
+}
+
+// A piece's eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
+__device__ __forceinline__ void store_piece_fp8(const uint4& piece, float inv, uint8_t* dst) {
+    float x[ptx::kBF16PerVec];
+    ptx::bf16x8_to_float(piece, x);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(ptx::pack_e4m3x4(x[0] * inv, x[1] * inv, x[2] * inv, x[3] * inv),
+                                                ptx::pack_e4m3x4(x[4] * inv, x[5] * inv, x[6] * inv, x[7] * inv));
+}
+
 // A tile in registers, as loaded (bf16): thread t holds columns 8 (t % 16) .. + 8 of rows
-// t / 16 + 16 i, i < 8.
+// t / 16 + 16 i, i < 8 (piece i).
 struct TileRegs {
     uint4 raw[kNumPasses];
 
     __device__ __forceinline__ static uint32_t row(uint32_t i) { return i * kRowsPerPass + threadIdx.x / 16; }
     __device__ __forceinline__ static uint32_t col() { return (threadIdx.x % 16) * ptx::kBF16PerVec; }
+    // Where piece i lies in a [128][128] bf16 copy of the tile.
+    __device__ __forceinline__ static uint32_t smem_offset(uint32_t i) { return row(i) * kTile + col(); }
 
     // Rows r < num_rows from `src` (row r at src + r * ld), zeros below; all loads in flight at once.
     __device__ __forceinline__ void load(const __nv_bfloat16* src, uint64_t ld, uint32_t num_rows) {
@@ -45,32 +70,30 @@ struct TileRegs {
         }
     }
 
-    // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
-    __device__ __forceinline__ float row_amax(uint32_t i) const {
-        float x[ptx::kBF16PerVec], amax = 0.0f;
-        ptx::bf16x8_to_float(raw[i], x);
+    // `load`'s rows into `smem` [128][128] bf16 instead of registers, by cp.async: each thread
+    // copies the pieces it would load, so after its cp.async wait it may read them unsynchronized.
+    __device__ __forceinline__ static void copy_async(__nv_bfloat16* smem, const __nv_bfloat16* src, uint64_t ld,
+                                                      uint32_t num_rows) {
         #pragma unroll
-        for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
-            amax = fmaxf(amax, fabsf(x[j]));
-        #pragma unroll
-        for (uint32_t lanes = 8; lanes > 0; lanes /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
-        return amax;
+        for (uint32_t i = 0; i < kNumPasses; ++i) {
+            const bool valid = row(i) < num_rows;
+            ptx::cp_async_16(smem + smem_offset(i), src + (valid ? row(i) : 0) * ld + col(), valid);
+        }
     }
+
+    // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
+    __device__ __forceinline__ float row_amax(uint32_t i) const { return fp8_quantize::row_amax(raw[i]); }
 
     // Row(i)'s eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
     __device__ __forceinline__ void store_fp8(uint32_t i, float inv, uint8_t* dst) const {
-        float x[ptx::kBF16PerVec];
-        ptx::bf16x8_to_float(raw[i], x);
-        *reinterpret_cast<uint2*>(dst) = make_uint2(ptx::pack_e4m3x4(x[0] * inv, x[1] * inv, x[2] * inv, x[3] * inv),
-                                                    ptx::pack_e4m3x4(x[4] * inv, x[5] * inv, x[6] * inv, x[7] * inv));
+        store_piece_fp8(raw[i], inv, dst);
     }
 
     // The tile into `smem` [128][128] bf16, for column reads.
     __device__ __forceinline__ void to_smem(__nv_bfloat16* smem) const {
         #pragma unroll
         for (uint32_t i = 0; i < kNumPasses; ++i)
-            ptx::st_shared_v4(smem + row(i) * kTile + col(), raw[i]);
+            ptx::st_shared_v4(smem + smem_offset(i), raw[i]);
     }
 };
 
@@ -123,21 +146,27 @@ struct ColumnPair {
 };
 
 
+// Row r's piece (of TileRegs' layout) quantized per 1 x 128, if r < num_rows: to q + r * ld, the
+// row's scale to scales[r]. All 16 threads of the row call it (the row amax is a shuffle).
+template <typename ScaleRule>
+__device__ __forceinline__ void store_row_fp8(const uint4& piece, uint32_t r, uint32_t num_rows, uint8_t* q,
+                                              uint64_t ld, float* scales) {
+    const float scale = ScaleRule::of(row_amax(piece));
+    if (r < num_rows) {
+        store_piece_fp8(piece, __frcp_rn(scale), q + r * ld + TileRegs::col());
+        if (threadIdx.x % 16 == 0)
+            scales[r] = scale;
+    }
+}
+
 // Rows r < num_rows of the tile quantized per 1 x 128: row r to q + r * ld (128 bytes), its scale
-// to scales[r]. Every thread of the CTA calls it (the row amax is a shuffle).
+// to scales[r]. Every thread of the CTA calls it.
 template <typename ScaleRule>
 __device__ __forceinline__ void store_rows_fp8(const TileRegs& regs, uint32_t num_rows, uint8_t* q, uint64_t ld,
                                                float* scales) {
     #pragma unroll
-    for (uint32_t i = 0; i < kNumPasses; ++i) {
-        const float scale = ScaleRule::of(regs.row_amax(i));
-        const uint32_t r = TileRegs::row(i);
-        if (r < num_rows) {
-            regs.store_fp8(i, __frcp_rn(scale), q + r * ld + TileRegs::col());
-            if (threadIdx.x % 16 == 0)
-                scales[r] = scale;
-        }
-    }
+    for (uint32_t i = 0; i < kNumPasses; ++i)
+        store_row_fp8<ScaleRule>(regs.raw[i], TileRegs::row(i), num_rows, q, ld, scales);
 }
 
 // Shared memory of the column quantization: the tile, and each quarter's column amax.
@@ -146,12 +175,11 @@ struct ColumnSmem {
     float col_amax[kNumThreads / 64][kTile];
 };
 
-// The tile's columns quantized per 128 x 1 and transposed: column c to qt + c * ld (128 bytes), its
-// scale to scales[c]. Every thread of the CTA calls it; `smem` is free again when it returns.
+// The columns of the tile in smem.tile (written by any of the CTA's threads before the call)
+// quantized per 128 x 1 and transposed: column c to qt + c * ld (128 bytes), its scale to
+// scales[c]. Every thread of the CTA calls it; `smem` is free again when it returns.
 template <typename ScaleRule>
-__device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSmem& smem, uint8_t* qt, uint64_t ld,
-                                                  float* scales) {
-    regs.to_smem(smem.tile);
+__device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem& smem, uint8_t* qt, uint64_t ld, float* scales) {
     __syncthreads();
     ColumnPair cols;
     cols.load(smem.tile);
@@ -172,6 +200,14 @@ __device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSm
     if (quarter == 0)
         *reinterpret_cast<float2*>(scales + c) = make_float2(scale[0], scale[1]);
     __syncthreads();  // smem is free for the next tile
+}
+
+// The tile's columns quantized per 128 x 1 and transposed, through smem (store_smem_columns_fp8).
+template <typename ScaleRule>
+__device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSmem& smem, uint8_t* qt, uint64_t ld,
+                                                  float* scales) {
+    regs.to_smem(smem.tile);
+    store_smem_columns_fp8<ScaleRule>(smem, qt, ld, scales);
 }
 
 // offsets[i] clamped into [lo, hi] (negative offsets read as 0).
