@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (divides --tokens)")
     parser.add_argument("--backends", default="grouped_mm,megamoe",
                         help="experts backends, the first is the baseline: megamoe, megamoe_fp8 or one of transformers' "
-                             "(grouped_mm, eager, batched_mm)")
+                             "(grouped_mm, eager, batched_mm); one named twice runs twice (name#2), its spread against itself")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, after a linear warm-up")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
@@ -147,9 +147,11 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  text: {data.numel()} bytes (pydoc_data)")
     results = {}
     for backend in args.backends.split(","):
+        # a backend named again runs again, as "name#2": its spread against itself (nondeterministic kernels)
+        label = backend if backend not in results else f"{backend}#{sum(k.split('#')[0] == backend for k in results) + 1}"
         wall = time.perf_counter()
-        results[backend] = train(backend, args, data)
-        results[backend]["wall"] = time.perf_counter() - wall
+        results[label] = train(backend, args, data)
+        results[label]["wall"] = time.perf_counter() - wall
     base = args.backends.split(",")[0]
     base_median = statistics.median(results[base]["times"][1:])
     lines = [f"{'backend':<12} {'tokens/s':>9} {'median ms':>10} {'min':>8} {'max':>8} {'first ms':>9} {'peak GB':>8} "
