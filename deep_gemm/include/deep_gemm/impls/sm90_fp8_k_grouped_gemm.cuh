@@ -34,6 +34,9 @@ struct Sm90FP8KGroupedGemm {
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
+    // Products of 64 columns: a 128-wide product's 64 scale products, made before the wait, spill
+    // (40-48 bytes) beside the accumulators and fresh products.
+    static constexpr uint32_t kProductN = 64;
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -79,11 +82,12 @@ struct Sm90FP8KGroupedGemm {
                 if (Epilogue::kAccumulates and num_k_blocks == 0)
                     continue;  // an empty group adds nothing
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages, 1>(
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t, uint32_t) {
+                    [&](uint32_t stage, uint32_t, uint32_t cols) {
                         const float* rows = smem.scales(stage) + scale_row;
-                        return RowColumnScales<BLOCK_N>{{rows[0], rows[8]}, smem.scales(stage) + BLOCK_M};
+                        return RowColumnScales<kProductN / 2>(rows[0], rows[8],
+                                                              smem.scales(stage) + BLOCK_M + cols * kProductN);
                     },
                     [](uint32_t) {});
                 Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);

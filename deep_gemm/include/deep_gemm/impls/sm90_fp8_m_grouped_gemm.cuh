@@ -126,7 +126,7 @@ struct Sm90FP8MGroupedGemm {
                 const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
                                                    tile.n_begin};
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kNumStages, kNumProductSets>(
+                consume_k_blocks_fp8<BLOCK_N, 128, kNumStages, kNumProductSets>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t, uint32_t cols) {
                         const float b = smem.scales(stage)[kBScaleSlot + cols];

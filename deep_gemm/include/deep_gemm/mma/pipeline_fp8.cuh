@@ -5,6 +5,7 @@
 // promoting every 128 of K keeps the sum fp32. The producer side is pipeline.cuh's.
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include "pipeline.cuh"
 #include "wgmma_fp8.cuh"
 
@@ -35,54 +36,69 @@ struct RowScales {
     }
 };
 
-// One scale per row and one per column (the weight gradient: both operands per 128 x 1). The
-// column scales are read from the stage while promoting (registers are short: the weight gradient
-// runs the mainloop with one set of fresh products, docs/PERF.md "Blockwise FP8").
-template <uint32_t BLOCK_N>
+// One scale per row and one per column (the weight gradient: both operands per 128 x 1),
+// multiplied into one scale per accumulator when made, i.e. while the product's MMAs are in
+// flight: after the wait the promotion is one FFMA per accumulator, as the forward's. `cols`: the
+// product's column scales in shared memory.
+template <uint32_t kNum>
 struct RowColumnScales {
-    float row[2];
-    const float* cols;  // the tile's BLOCK_N column scales in shared memory
+    float scale[kNum];
 
-    __device__ __forceinline__ void promote(const float (&part)[BLOCK_N / 2], float (&acc)[BLOCK_N / 2]) const {
+    __device__ __forceinline__ RowColumnScales(float row0, float row1, const float* cols) {
         const float* mine = cols + (ptx::lane_idx() % 4) * 2;
         #pragma unroll
-        for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {  // columns 8 j + (lane % 4) * 2 + {0, 1}
+        for (uint32_t j = 0; j < kNum / 4; ++j) {  // columns 8 j + (lane % 4) * 2 + {0, 1}
             const float2 c = *reinterpret_cast<const float2*>(mine + 8 * j);
             #pragma unroll
             for (uint32_t i = 4 * j; i < 4 * j + 4; ++i)
-                acc[i] = fmaf(part[i] * (i % 2 ? c.y : c.x), row[(i / 2) % 2], acc[i]);
+                scale[i] = (i % 2 ? c.y : c.x) * ((i / 2) % 2 ? row1 : row0);
         }
+    }
+
+    __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNum; ++i)
+            acc[i] = fmaf(part[i], scale[i], acc[i]);
     }
 };
 
-// One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of 128 columns (m64n128k32
-// MMAs; BLOCK_N = 256 is two of them, the accumulators of the second after the first's, which
-// is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of
-// a k-block's products of columns 128 cols.. (RowScales, RowColumnScales); it runs while those
-// MMAs are in flight. Both it and the promotion may read the stage (scales in shared memory):
-// each warp releases the stage after them. `before_mma(stage)` runs after the stage has landed
-// and before any MMA reads it. kNumProductSets = 2 (BLOCK_N = 128 only) alternates two sets of
-// fresh products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores
-// have work queued while this warpgroup waits and promotes. With 1, each product is issued,
-// awaited and promoted in turn (64 registers fewer).
-template <uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem, typename Scales,
-          typename BeforeMMA>
+// f(std::integral_constant<uint32_t, c>) for each c of the sequence, in order.
+template <uint32_t... kCols, typename F>
+__device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t, kCols...>, const F& f) {
+    (f(std::integral_constant<uint32_t, kCols>{}), ...);
+}
+
+// One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of kProductN columns (m64nNk32
+// MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
+// is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
+// k-block's product `cols` (RowScales, RowColumnScales); it runs while that product's MMAs are in
+// flight. Both it and the promotion may read the stage (scales in shared memory): each warp
+// releases the stage after them. `before_mma(stage)` runs after the stage has landed and before
+// any MMA reads it. kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
+// products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
+// work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
+// promoted in turn (kProductN / 2 registers fewer).
+template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem,
+          typename Scales, typename BeforeMMA>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma) {
-    constexpr uint32_t kProduct = 64;  // a thread's accumulators of one 64 x 128 product
-    constexpr uint32_t kNumProducts = BLOCK_N / 128;
-    static_assert(BLOCK_N % 128 == 0 and (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
-    float part0[kProduct], part1[kProduct];
+    constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
+    constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
+    static_assert(BLOCK_N % kProductN == 0 and
+                  (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
+    using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
+    Part part0, part1;
     const bool releases = ptx::lane_idx() == 0;
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
     // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
     // the stage, the last moves on to the next.
-    const auto issue = [&](float (&part)[kProduct], auto cols) {
+    const auto issue = [&](Part& part, auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
         // (the descriptors are made before the wait, so the first MMA issues right after it)
         const uint64_t desc_a = make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, 0);
-        const uint64_t desc_b = make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * 128 * kSwizzleBytes, 0);
+        const uint64_t desc_b =
+            make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * kProductN * kSwizzleBytes, 0);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
             before_mma(next.stage);
@@ -91,7 +107,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)  // k32 slices, 32 bytes apart in the swizzle row
-            WGMMAFp8<128>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
+            WGMMAFp8<kProductN>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts)
@@ -99,12 +115,12 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     };
     // Product `cols` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer MMA
     // batches are left in flight; after the block's last product the stage is released.
-    const auto promote = [&](auto newer, float (&part)[kProduct], uint32_t k_block, auto cols) {
+    const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
         const auto s = scales(pipe.stage, k_block, kCols);
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
-        s.promote(part, *reinterpret_cast<float (*)[kProduct]>(acc + kCols * kProduct));
+        s.promote(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
         if constexpr (kCols + 1 == kNumProducts) {
             __syncwarp();  // every lane's reads of the stage before lane 0 releases it
             if (releases)
@@ -115,13 +131,11 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;
     constexpr std::integral_constant<uint32_t, 0> kFirst;
-    constexpr std::integral_constant<uint32_t, 1> kSecond;
     if constexpr (kNumProductSets == 1) {
-        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
-            issue(part0, kFirst), promote(kNoneNewer, part0, k_block, kFirst);
-            if constexpr (kNumProducts == 2)
-                issue(part0, kSecond), promote(kNoneNewer, part0, k_block, kSecond);
-        }
+        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block)
+            for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
+                issue(part0, cols), promote(kNoneNewer, part0, k_block, cols);
+            });
         return;
     }
     if (num_k_blocks == 0)
