@@ -72,8 +72,9 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
 // MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
 // is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
 // k-block's product `cols` (RowScales, RowColumnScales); it runs while that product's MMAs are in
-// flight. Both it and the promotion may read the stage (scales in shared memory): each warp
-// releases the stage after them. `before_mma(stage)` runs after the stage has landed and before
+// flight and may read the stage (scales in shared memory), the promotion may not: each warp
+// releases the stage once the k-block's last MMAs are done, before promoting them, so that the
+// producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has landed and before
 // any MMA reads it. kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
@@ -90,15 +91,17 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
     const bool releases = ptx::lane_idx() == 0;
+    // Stage 0's descriptors, made once: a stage's are these advanced by its offset.
+    const uint64_t desc_a0 = make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0);
+    const uint64_t desc_b0 = make_operand_desc<Major::kKMajor>(smem.b(0), 0);
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
     // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
     // the stage, the last moves on to the next.
     const auto issue = [&](Part& part, auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
         // (the descriptors are made before the wait, so the first MMA issues right after it)
-        const uint64_t desc_a = make_operand_desc<Major::kKMajor>(smem.a(next.stage) + a_offset, 0);
-        const uint64_t desc_b =
-            make_operand_desc<Major::kKMajor>(smem.b(next.stage) + kCols * kProductN * kSwizzleBytes, 0);
+        const uint64_t desc_a = advance_desc(desc_a0, next.stage * Smem::kBytesA);
+        const uint64_t desc_b = advance_desc(desc_b0, next.stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
             before_mma(next.stage);
@@ -114,19 +117,19 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
             next.template advance<kNumStages>();
     };
     // Product `cols` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer MMA
-    // batches are left in flight; after the block's last product the stage is released.
+    // batches are left in flight; after the block's last product's MMAs the stage is released.
     const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
         const auto s = scales(pipe.stage, k_block, kCols);
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
-        s.promote(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
         if constexpr (kCols + 1 == kNumProducts) {
             __syncwarp();  // every lane's reads of the stage before lane 0 releases it
             if (releases)
                 smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
         }
+        s.promote(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
     };
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;

@@ -32,9 +32,11 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t lea
 }
 
 // The descriptor of the same layout `bytes` (a multiple of 16) further on: shared-memory
-// addresses stay below 2^18, so the start-address field does not carry into the next.
+// addresses stay below 2^18, so the start-address field does not carry into the next, and a
+// 32-bit add of the low word does (the high word, strides and swizzle, is left as it is).
 __device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
-    return desc + (bytes >> 4);
+    const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+    return (desc >> 32 << 32) | lo;
 }
 
 // Descriptor of the k16 slice `k` of a tile whose swizzle atoms start at `tile`: the tile's
