@@ -12,7 +12,9 @@ Prints per backend tokens/s, step ms (median, min, max; the first step, which co
 kernels, apart), peak memory, the speed over the first backend, and how far each loss curve
 is from the first backend's: at any step, and at any logged step (the mean loss of each
 `--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
-times (`--plot`). Needs a Hopper GPU.
+times (`--plot`), and with `--json` each backend's per-step losses and step times. A backend
+named twice in `--backends` runs twice (the second as name#2): its spread against itself.
+Needs a Hopper GPU.
 
     python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe] [--log-every 10]
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     parser.add_argument("--plot", default="train_moe.png")
+    parser.add_argument("--json", default=None, help="write each backend's per-step losses and step times here")
     args = parser.parse_args()
     require_sm90("train_moe.py")
     if args.tokens % args.seq:
@@ -169,6 +173,10 @@ def main() -> None:
     print("\n".join(lines))
     if args.plot:
         plot(results, args.plot, args.log_every)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({label: {"losses": r["losses"], "step_ms": r["times"], "peak_bytes": r["peak"]}
+                       for label, r in results.items()}, f)
 
 
 if __name__ == "__main__":
