@@ -9,7 +9,7 @@ the Python documentation CPython ships (`pydoc_data`), as UTF-8 bytes (a 256-sym
 tokenizer). Each step trains on `--tokens` tokens in sequences of `--seq`.
 
 Prints per backend tokens/s, step ms (median, min, max; the first step, which compiles
-kernels, apart), peak memory, the speed over the first backend, and how far each loss curve
+kernels, apart: a repeated backend's finds them built), peak memory, the speed over the first backend, and how far each loss curve
 is from the first backend's: at any step, and at any logged step (the mean loss of each
 `--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
 times (`--plot`), and with `--json` each backend's per-step losses and step times. A backend
@@ -21,6 +21,7 @@ Needs a Hopper GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -61,8 +62,9 @@ def make_model(layers: int, backend: str, seed: int):
     return model.train()
 
 
-def train(backend: str, args, data: torch.Tensor) -> dict:
-    """Losses, step ms and peak memory of `args.steps` steps with experts `backend`."""
+def train(backend: str, label: str, args, data: torch.Tensor) -> dict:
+    """Losses, step ms and peak memory of `args.steps` steps with experts `backend` (`label` in
+    the progress line)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = make_model(args.layers, backend, args.seed)
@@ -83,7 +85,7 @@ def train(backend: str, args, data: torch.Tensor) -> dict:
         end.record()
         losses.append(loss.item())  # (synchronises: the same for every backend)
         times.append(start.elapsed_time(end))
-        print(f"\r{backend:<12} step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}  {times[-1]:7.1f} ms",
+        print(f"\r{label:<12} step {step + 1:>4}/{args.steps}  loss {losses[-1]:.4f}  {times[-1]:7.1f} ms",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     peak = torch.cuda.max_memory_allocated()
@@ -149,22 +151,24 @@ def main() -> None:
 
     data = load_text()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  text: {data.numel()} bytes (pydoc_data)")
-    results = {}
+    results, runs = {}, collections.Counter()
     for backend in args.backends.split(","):
         # a backend named again runs again, as "name#2": its spread against itself (nondeterministic kernels)
-        label = backend if backend not in results else f"{backend}#{sum(k.split('#')[0] == backend for k in results) + 1}"
+        runs[backend] += 1
+        label = backend if runs[backend] == 1 else f"{backend}#{runs[backend]}"
         wall = time.perf_counter()
-        results[label] = train(backend, args, data)
+        results[label] = train(backend, label, args, data)
         results[label]["wall"] = time.perf_counter() - wall
     base = args.backends.split(",")[0]
     base_median = statistics.median(results[base]["times"][1:])
-    lines = [f"{'backend':<12} {'tokens/s':>9} {'median ms':>10} {'min':>8} {'max':>8} {'first ms':>9} {'peak GB':>8} "
+    width = max(12, *map(len, results))
+    lines = [f"{'backend':<{width}} {'tokens/s':>9} {'median ms':>10} {'min':>8} {'max':>8} {'first ms':>9} {'peak GB':>8} "
              f"{'speed':>6} {'final loss':>10} {'max step diff':>13} {'max logged diff':>15}"]
     for backend, r in results.items():
         median = statistics.median(r["times"][1:])
         diff = max_relative_diff(r["losses"], results[base]["losses"])
         logged_diff = max_relative_diff(logged(r["losses"], args.log_every), logged(results[base]["losses"], args.log_every))
-        lines.append(f"{backend:<12} {args.tokens / median * 1e3:>9.0f} {median:>10.1f} {min(r['times'][1:]):>8.1f} "
+        lines.append(f"{backend:<{width}} {args.tokens / median * 1e3:>9.0f} {median:>10.1f} {min(r['times'][1:]):>8.1f} "
                      f"{max(r['times'][1:]):>8.1f} {r['times'][0]:>9.1f} {r['peak'] / 2**30:>8.2f} "
                      f"{base_median / median:>5.2f}x {r['losses'][-1]:>10.4f} {100 * diff:>12.2f}% {100 * logged_diff:>14.2f}%")
     print(f"{args.layers} layers, {args.tokens} tokens per step ({args.tokens // args.seq} x {args.seq}), {args.steps} "

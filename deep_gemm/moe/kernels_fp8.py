@@ -11,7 +11,7 @@ from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..quant.kernels import MAX_GROUPS, empty_fp8_columns, empty_fp8_rows
 from ..quant.reference import BLOCK, Fp8Columns, Fp8Rows
-from ..utils import check_cuda_devices, check_tensor, get_num_sms
+from ..utils import check_cuda_devices, check_tensor
 from .layout import RoutingLayout
 
 _PARAMS = ParamsStruct("deep_gemm::MoESwiGLUBwdFp8Params", [
@@ -71,7 +71,7 @@ def moe_swiglu_bwd_fp8(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayo
     width = dz_columns.data.shape[1]
     kernel = get_kernel(power_of_two_scales)
     # (a launch even with no rows: it writes the padded offsets)
-    num_blocks = max(1, min(width // BLOCK, kernel.max_resident_blocks(device), 8 * get_num_sms(device)))
+    num_blocks = max(1, min(width // BLOCK, kernel.max_resident_blocks(device)))
     kernel.launch(_PARAMS.pack(
         h=h.data_ptr(), d_act=d_act.data_ptr(), row_weight=layout.row_weight.data_ptr(),
         offsets=layout.offsets.data_ptr(), dz_q=dz_rows.data.data_ptr(), dz_scales=dz_rows.scales.data_ptr(),

@@ -61,7 +61,8 @@ struct MoESwiGLUBwdFp8 {
             uint32_t row_begin, num_rows;
             padded_block_rows(padded, p.offsets, p.num_groups, p.m, block, row_begin, num_rows);
             if (threadIdx.x < kTile)  // (committed with the first column block's tiles)
-                ptx::cp_async_4(smem.weight + threadIdx.x, p.row_weight + row_begin + threadIdx.x,
+                ptx::cp_async_4(smem.weight + threadIdx.x,
+                                p.row_weight + row_begin + (threadIdx.x < num_rows ? threadIdx.x : 0),
                                 threadIdx.x < num_rows);
             float dot[kNumPasses];
             #pragma unroll

@@ -63,6 +63,8 @@ struct Sm90FP8MGroupedGemm {
     // Each product's B scale rides in the stage beside A's scales, copied by producer thread 0, so
     // that the math warpgroups read it from shared memory rather than wait on an L2 read per product.
     static constexpr uint32_t kBScaleSlot = 144;  // (floats: past Fp8TmaRows' 132 A scales)
+    static_assert(Producer::kScaleTxBytes <= kBScaleSlot * sizeof(float) and kBScaleSlot >= BLOCK_M,
+                  "the B scales lie past every A scale a producer writes");
     static_assert((kBScaleSlot + BLOCK_N / 128) * sizeof(float) <= producer::kFp8ScaleStageBytes);
     // Thread 0's cp.async arrival on each full barrier: the copy threads' own, or one more.
     static constexpr uint32_t kNumCopyArrivals = Producer::kNumCopyThreads > 0 ? Producer::kNumCopyThreads : 1;

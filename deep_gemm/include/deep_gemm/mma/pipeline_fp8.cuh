@@ -42,6 +42,7 @@ struct RowScales {
 // product's column scales in shared memory.
 template <uint32_t kNum>
 struct RowColumnScales {
+    static_assert(kNum % 4 == 0, "whole groups of 8 columns (4 accumulators a thread)");
     float scale[kNum];
 
     __device__ __forceinline__ RowColumnScales(float row0, float row1, const float* cols) {

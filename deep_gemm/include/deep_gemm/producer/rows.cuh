@@ -86,7 +86,8 @@ using GatheredRows = GatheredRowsOf<__nv_bfloat16>;
 // scales [K / 128][a_rows], row stride a_scales_ld), a_scales and a_scales_ld.
 //   kScaleTxBytes        what the scales add to thread 0's TMA bytes;
 //   scale_offset(row)    where the scale of a tile's first row (row `row` of A) sits in the stage.
-constexpr uint32_t kFp8ScaleStageBytes = 640;  // room for 132 scales (Fp8TmaRows), 128-byte multiple
+// room for 132 A scales (Fp8TmaRows), then the m-grouped kernel's B scales; a 128-byte multiple
+constexpr uint32_t kFp8ScaleStageBytes = 640;
 
 // Rows back to back: the scales by TMA too (rows past the tensor read as zeros). A TMA box whose
 // innermost coordinate is not 16-byte aligned faults (illegal instruction), and a ragged group's

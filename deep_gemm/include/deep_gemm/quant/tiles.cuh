@@ -1,9 +1,9 @@
 #pragma once
 // The pieces of the FP8 quantization kernels (impls/fp8_quantize.cuh, impls/moe_swiglu_bwd_fp8.cuh):
 // a 128 x 128 bf16 tile in registers (or copied into shared memory in the same layout), its rows
-// quantized per 1 x 128 from registers, its columns per 128 x 1 through a bf16 copy in shared memory, and the groups' padded offsets of the
-// transposed copies (each group's rows padded with zeros to a multiple of 128, so that a scale
-// block never holds two groups). 256 threads a CTA.
+// quantized per 1 x 128 from registers, its columns per 128 x 1 through a bf16 copy in shared
+// memory, and the groups' padded offsets of the transposed copies (each group's rows padded with
+// zeros to a multiple of 128, so that a scale block never holds two groups). 256 threads a CTA.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/cp_async.cuh"
@@ -147,7 +147,7 @@ struct ColumnPair {
 
 
 // Row r's piece (of TileRegs' layout) quantized per 1 x 128, if r < num_rows: to q + r * ld, the
-// row's scale to scales[r]. All 16 threads of the row call it (the row amax is a shuffle).
+// row's scale to scales[r]. Every lane of the warp calls it (the row amax is a full-warp shuffle).
 template <typename ScaleRule>
 __device__ __forceinline__ void store_row_fp8(const uint4& piece, uint32_t r, uint32_t num_rows, uint8_t* q,
                                               uint64_t ld, float* scales) {
@@ -174,6 +174,7 @@ struct ColumnSmem {
     __nv_bfloat16 tile[kTile * kTile];
     float col_amax[kNumThreads / 64][kTile];
 };
+static_assert(sizeof(ColumnSmem) % 16 == 0, "arrays of them keep each tile 16-byte aligned for 16-byte copies");
 
 // The columns of the tile in smem.tile (written by any of the CTA's threads before the call)
 // quantized per 128 x 1 and transposed: column c to qt + c * ld (128 bytes), its scale to
