@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,6 +109,23 @@ def test_a_launcher_that_disagrees_with_the_kernel_does_not_compile(tmp_path, mo
         build_kernel(header, entry, kernel_type, swapped, 384, config.smem_bytes)
     with pytest.raises(CompileError, match="dynamic shared memory"):
         build_kernel(header, entry, kernel_type, m_grouped_bf16.PARAMS, 384, config.smem_bytes - 1024)
+
+
+@requires_nvcc
+def test_timeline_builds_of_the_fp8_gemms_compile(tmp_path, monkeypatch):
+    """DG_JIT_TIMELINE=1 (scripts/timeline.py) builds the FP8 GEMMs with their clock records:
+    they compile, without spills; the default builds do not carry them."""
+    from deep_gemm.gemm import k_grouped_fp8, m_grouped_fp8
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DG_JIT_TIMELINE", "1")
+    # (__wrapped__: past the launchers' caches, which hold the default builds)
+    for kernel in (k_grouped_fp8.get_kernel.__wrapped__(torch.float32, False),
+                   m_grouped_fp8.get_kernel.__wrapped__(m_grouped_fp8.FP8_TMA_ROWS, 256)):
+        report = resource_report(kernel)
+        assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0, report
+    monkeypatch.setenv("DG_JIT_TIMELINE", "0")
+    source = k_grouped_fp8.get_kernel.__wrapped__(torch.float32, False).cubin.with_suffix(".cu").read_text()
+    assert "DG_TIMELINE" not in source
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ class Kernel:
                 fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes))
             if trace_enabled():
                 _attach_trace(module)
+            if timeline_enabled():
+                _attach_timeline(module, device)
             self._functions[device] = fn
         return fn
 
@@ -187,6 +189,31 @@ def _attach_trace(module) -> None:
     check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
 
 
+def timeline_enabled() -> bool:
+    """DG_JIT_TIMELINE=1 builds kernels that record per-tile clocks (see ptx/trace.cuh and
+    scripts/timeline.py)."""
+    return os.environ.get("DG_JIT_TIMELINE", "0") not in ("", "0")
+
+
+# ptx/trace.cuh's timeline::kCtas, kTracks, kRecords: int64 (clock, event << 24 | tag) pairs
+TIMELINE_SHAPE = (8, 3, 4096, 2)
+_timelines: dict[int, torch.Tensor] = {}
+
+
+def timeline_buffer(device: int) -> torch.Tensor:
+    """The int64 [CTAs, tracks (warpgroups), records, 2] buffer timeline kernels on `device` write
+    (zeros where nothing was recorded); zero it before a run to read that run alone."""
+    if device not in _timelines:
+        _timelines[device] = torch.zeros(TIMELINE_SHAPE, dtype=torch.int64, device=f"cuda:{device}")
+    return _timelines[device]
+
+
+def _attach_timeline(module, device: int) -> None:
+    address, _ = check(cu.cuModuleGetGlobal(module, b"dg_timeline"))
+    pointer = ctypes.c_uint64(timeline_buffer(device).data_ptr())
+    check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
+
+
 _kernels: dict[tuple[str, str], Kernel] = {}
 
 
@@ -211,6 +238,7 @@ def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct
     that many CTAs fit on an SM."""
     source = (
         ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
+        ("#define DG_TIMELINE\n" if timeline_enabled() else "") +
         "#include <cstddef>\n"
         f"#include <deep_gemm/impls/{header}>\n\n"
         f"using Kernel = {kernel_type};\n"

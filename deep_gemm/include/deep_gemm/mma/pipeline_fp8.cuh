@@ -89,6 +89,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
                   (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
+    DG_TIMELINE(kTileStart, num_k_blocks);
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
     const bool releases = ptx::lane_idx() == 0;
@@ -105,6 +106,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         const uint64_t desc_b = advance_desc(desc_b0, next.stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
+            DG_TIMELINE(kStageLanded, next.stage);
             before_mma(next.stage);
         }
         warpgroup_fence_operand(part);

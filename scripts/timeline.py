@@ -1,0 +1,114 @@
+"""Where an FP8 GEMM's tiles spend their clocks: one launch built with per-tile clock records
+(`DG_JIT_TIMELINE=1`, ptx/trace.cuh), read back and summed up per warpgroup. A profiling aid.
+
+    python scripts/timeline.py [--model 30b] [--gemm wgrad1] [--routing uniform]
+
+For CTAs 0-7, each math warpgroup's mean SM clocks per tile: tile start -> its first stage landed
+(waiting for loads), first stage -> mainloop end (per k-block too), the epilogue, and epilogue
+end -> the next tile's start; and the producer's mean clocks between two stages it could refill.
+`--gemm`: fwd1, fwd2, dgrad1, dgrad2 (m-grouped, bf16 out) or wgrad1, wgrad2 (k-grouped, fp32 out),
+the shapes of `bench_gemm.py`. Needs a Hopper GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ["DG_JIT_TIMELINE"] = "1"  # before deep_gemm builds any kernel
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deep_gemm  # noqa: E402
+from bench_common import MODELS, require_sm90  # noqa: E402
+from deep_gemm.jit.runtime import timeline_buffer  # noqa: E402
+from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, random_group_sizes  # noqa: E402
+
+# ptx/trace.cuh's timeline::Event
+TILE_START, STAGE_LANDED, MAINLOOP_END, EPILOGUE_END, LOADS_ISSUED = 1, 2, 3, 4, 5
+# bench_gemm.py's shapes from (H, I): (kind, N, K) of the m-grouped GEMMs, (kind, M, N) of the k-grouped
+SHAPES = {"fwd1": lambda h, i: ("nt", 2 * i, h), "fwd2": lambda h, i: ("nt", h, i),
+          "dgrad1": lambda h, i: ("nn", h, 2 * i), "dgrad2": lambda h, i: ("nn", i, h),
+          "wgrad1": lambda h, i: ("tn", 2 * i, h), "wgrad2": lambda h, i: ("tn", h, i)}
+
+
+def make_gemm(gemm: str, model: str, routing: str):
+    """A closure running `gemm` once at `model`'s shape on random operands."""
+    hidden, inter, experts, topk, tokens = MODELS[model]
+    kind, d1, d2 = SHAPES[gemm](hidden, inter)
+    sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens,
+                               generator=torch.Generator().manual_seed(0))
+    rows, offsets = sum(sizes), offsets_from_sizes(sizes)
+    if kind == "tn":
+        a = torch.randn(rows, d1, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(rows, d2, device="cuda", dtype=torch.bfloat16)
+        (_, qa), (_, qb) = fp8_quantize_columns(a, offsets), fp8_quantize_columns(b, offsets)
+        d = torch.empty(len(sizes), d1, d2, device="cuda", dtype=torch.float32)
+        return lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,
+                                                                  qa.padded_offsets)
+    n, k = d1, d2
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
+    qx, qw = fp8_quantize_rows(x), fp8_quantize_weights(w)
+    b = (qw.data, qw.scales) if kind == "nt" else qw.transposed_operand()
+    d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((qx.data, qx.scales), b, d, offsets)
+
+
+def summarize(records: torch.Tensor) -> list[str]:
+    """Lines of mean clocks per phase, from the [CTAs, tracks, records, 2] buffer."""
+    phases = {"start -> first stage": [], "mainloop": [], "per k-block": [], "epilogue": [], "-> next tile": []}
+    refills = []
+    for cta in records:
+        for track, rows in enumerate(cta.tolist()):
+            events = [(clock, tag >> 24, tag & 0xFFFFFF) for clock, tag in rows if tag]
+            if track == 2:  # the producer: clocks between the stages it was let refill
+                issued = [clock for clock, event, _ in events if event == LOADS_ISSUED]
+                refills += [b - a for a, b in zip(issued, issued[1:])]
+                continue
+            start = first = end = mainloop_end = None
+            for clock, event, tag in events:
+                if event == TILE_START:
+                    if end is not None:
+                        phases["-> next tile"].append(clock - end)
+                    start, first, mainloop_end, blocks = clock, None, None, tag
+                elif event == STAGE_LANDED and first is None:
+                    first = clock
+                    phases["start -> first stage"].append(first - start)
+                elif event == MAINLOOP_END and first is not None:
+                    phases["mainloop"].append(clock - first)
+                    phases["per k-block"].append((clock - first) / max(blocks, 1))
+                    mainloop_end = clock
+                elif event == EPILOGUE_END and mainloop_end is not None:
+                    phases["epilogue"].append(clock - mainloop_end)
+                    end = clock
+    lines = [f"{name:<22} {statistics.fmean(v):>9.0f} clocks (over {len(v)})" for name, v in phases.items() if v]
+    if refills:
+        lines.append(f"{'producer, per stage':<22} {statistics.fmean(refills):>9.0f} clocks (over {len(refills)})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="30b", choices=sorted(MODELS))
+    parser.add_argument("--gemm", default="wgrad1", choices=sorted(SHAPES))
+    parser.add_argument("--routing", default="uniform")
+    args = parser.parse_args()
+    require_sm90("timeline.py")
+    run = make_gemm(args.gemm, args.model, args.routing)
+    run()  # compiles, and warms the caches
+    buffer = timeline_buffer(torch.cuda.current_device())
+    buffer.zero_()
+    torch.cuda.synchronize()
+    run()
+    torch.cuda.synchronize()
+    print(f"{args.model} {args.gemm} ({args.routing}), CTAs 0-7, math warpgroups' means:")
+    print("\n".join(summarize(buffer.cpu())))
+
+
+if __name__ == "__main__":
+    main()
