@@ -74,7 +74,9 @@ def _check_fp32(name: str, t: torch.Tensor) -> None:
 
 def _check_row_scales(name: str, scales: torch.Tensor, rows: int, k: int) -> None:
     """1 x 128 scales of `rows` rows of width `k` in the layout of `Fp8Rows.scales`: ``[rows, k /
-    128]`` fp32, column-major with a column stride that is a multiple of 4 (16 bytes), 16-byte aligned."""
+    128]`` fp32, column-major with a column stride that is a multiple of 4 (16 bytes), 16-byte aligned
+    (the GEMMs read them by TMA, hence stricter than `quant.kernels`' check, whose kernel loads them
+    one by one)."""
     _check_fp32(name, scales)
     if tuple(scales.shape) != (rows, k // BLOCK_K):
         raise ValueError(f"{name} must have shape {(rows, k // BLOCK_K)} (one per 1 x 128), got {tuple(scales.shape)}")

@@ -164,7 +164,8 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
 
 def _check_fp8_rows(x: Fp8Rows) -> None:
     """`Fp8Rows` as the kernels read them: data ``[M, K]`` e4m3 (K a multiple of 128), scales
-    ``[M, K / 128]`` fp32 column-major (``stride() == (1, ld)``, ld >= M)."""
+    ``[M, K / 128]`` fp32 column-major (``stride() == (1, ld)``, ld >= M; plain loads, so no TMA
+    alignment as the GEMMs' check asks)."""
     check_tensor("x.data", x.data, torch.float8_e4m3fn, 2)
     m, k = x.data.shape
     check_multiple("K (x.data.shape[1])", k, BLOCK)
