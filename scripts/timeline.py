@@ -7,7 +7,7 @@ For CTAs 0-7, each math warpgroup's mean SM clocks per tile: tile start -> its f
 (waiting for loads), first stage -> mainloop end (per k-block too), the epilogue, and epilogue
 end -> the next tile's start; and the producer's mean clocks between two stages it could refill.
 `--gemm`: fwd1, fwd2, dgrad1, dgrad2 (m-grouped, bf16 out) or wgrad1, wgrad2 (k-grouped, fp32 out),
-the shapes of `bench_gemm.py`. Needs a Hopper GPU.
+at `bench_gemm.py`'s shapes (its `gemm_cases`). Needs a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -24,22 +24,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 from bench_common import MODELS, require_sm90  # noqa: E402
+from bench_gemm import gemm_cases  # noqa: E402
 from deep_gemm.jit.runtime import timeline_buffer  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, random_group_sizes  # noqa: E402
 
 # ptx/trace.cuh's timeline::Event
 TILE_START, STAGE_LANDED, MAINLOOP_END, EPILOGUE_END, LOADS_ISSUED = 1, 2, 3, 4, 5
-# bench_gemm.py's shapes from (H, I): (kind, N, K) of the m-grouped GEMMs, (kind, M, N) of the k-grouped
-SHAPES = {"fwd1": lambda h, i: ("nt", 2 * i, h), "fwd2": lambda h, i: ("nt", h, i),
-          "dgrad1": lambda h, i: ("nn", h, 2 * i), "dgrad2": lambda h, i: ("nn", i, h),
-          "wgrad1": lambda h, i: ("tn", 2 * i, h), "wgrad2": lambda h, i: ("tn", h, i)}
+GEMMS = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2")  # bench_gemm.py's, fp32 out for wgrad
 
 
 def make_gemm(gemm: str, model: str, routing: str):
     """A closure running `gemm` once at `model`'s shape on random operands."""
     hidden, inter, experts, topk, tokens = MODELS[model]
-    kind, d1, d2 = SHAPES[gemm](hidden, inter)
+    label = f"{gemm} fp32" if gemm.startswith("wgrad") else gemm
+    kind, d1, d2 = next((kind, d1, d2) for name, kind, d1, d2, _ in gemm_cases(hidden, inter) if name == label)
     sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens,
                                generator=torch.Generator().manual_seed(0))
     rows, offsets = sum(sizes), offsets_from_sizes(sizes)
@@ -95,7 +94,7 @@ def summarize(records: torch.Tensor) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="30b", choices=sorted(MODELS))
-    parser.add_argument("--gemm", default="wgrad1", choices=sorted(SHAPES))
+    parser.add_argument("--gemm", default="wgrad1", choices=GEMMS)
     parser.add_argument("--routing", default="uniform")
     args = parser.parse_args()
     require_sm90("timeline.py")

@@ -197,6 +197,10 @@ def timeline_enabled() -> bool:
 
 # ptx/trace.cuh's timeline::kCtas, kTracks, kRecords: int64 (clock, event << 24 | tag) pairs
 TIMELINE_SHAPE = (8, 3, 4096, 2)
+_TIMELINE_ASSERT = ("#include <deep_gemm/ptx/trace.cuh>\n"
+                    "static_assert(deep_gemm::timeline::kCtas == {} and deep_gemm::timeline::kTracks == {} and "
+                    "deep_gemm::timeline::kRecords == {}, \"the host's timeline_buffer shape\");\n"
+                    .format(*TIMELINE_SHAPE[:3]))
 _timelines: dict[int, torch.Tensor] = {}
 
 
@@ -244,7 +248,8 @@ def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct
         f"using Kernel = {kernel_type};\n"
         f"{params.static_asserts()}\n"
         + (f'static_assert(Kernel::kSmemBytes == {smem_bytes}, "the launcher gives {smem_bytes} bytes of dynamic '
-           'shared memory");\n' if smem_bytes else "") + "\n"
+           'shared memory");\n' if smem_bytes else "")
+        + (_TIMELINE_ASSERT if timeline_enabled() else "") + "\n"
         f'extern "C" __global__ void __launch_bounds__({num_threads}, {min_blocks_per_sm})\n'
         f"{entry}(const __grid_constant__ {params.cpp_name} p) {{\n"
         f"    Kernel::run(p);\n"

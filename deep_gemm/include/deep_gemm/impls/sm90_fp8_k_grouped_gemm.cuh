@@ -90,9 +90,9 @@ struct Sm90FP8KGroupedGemm {
                                                               smem.scales(stage) + BLOCK_M + cols * kProductN);
                     },
                     [](uint32_t) {});
-                DG_TIMELINE(kMainloopEnd, tile.group);
+                timeline::mark(timeline::kMainloopEnd, tile.group);
                 Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);
-                DG_TIMELINE(kEpilogueEnd, tile.group);
+                timeline::mark(timeline::kEpilogueEnd, tile.group);
             }
             Epilogue::drain();
         }

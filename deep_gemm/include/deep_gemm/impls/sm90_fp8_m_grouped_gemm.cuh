@@ -139,9 +139,9 @@ struct Sm90FP8MGroupedGemm {
                         if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy
                             ptx::fence_view_async_shared();
                     });
-                DG_TIMELINE(kMainloopEnd, tile.group);
+                timeline::mark(timeline::kMainloopEnd, tile.group);
                 Epilogue::store(acc, p, rows, staging, 1 + wg);
-                DG_TIMELINE(kEpilogueEnd, tile.group);
+                timeline::mark(timeline::kEpilogueEnd, tile.group);
             }
             Epilogue::drain();
         }

@@ -89,7 +89,7 @@ __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* 
     else
         __syncthreads();
     DG_TRACE(4, 1);
-    DG_TIMELINE_START();
+    timeline::start();
 }
 
 // Every thread's last step with kClusterSize > 1: no CTA leaves while another may still load
@@ -189,7 +189,7 @@ __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
         DG_TRACE(0, 1000 + k_block);
         smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
-        DG_TIMELINE(kLoadsIssued, k_block);
+        timeline::mark(timeline::kLoadsIssued, k_block);
         ptx::MBarrier* bar = smem.full(pipe.stage);
         if (leader)
             bar->arrive_and_expect_tx(kTxBytes);

@@ -75,8 +75,8 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
 // k-block's product `cols` (RowScales, RowColumnScales); it runs while that product's MMAs are in
 // flight and may read the stage (scales in shared memory), the promotion may not: each warp
 // releases the stage once the k-block's last MMAs are done, before promoting them, so that the
-// producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has landed and before
-// any MMA reads it. kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
+// producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
+// landed and before any MMA reads it. kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer).
@@ -89,7 +89,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
                   (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
-    DG_TIMELINE(kTileStart, num_k_blocks);
+    timeline::mark(timeline::kTileStart, num_k_blocks);
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
     const bool releases = ptx::lane_idx() == 0;
@@ -106,7 +106,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         const uint64_t desc_b = advance_desc(desc_b0, next.stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
-            DG_TIMELINE(kStageLanded, next.stage);
+            timeline::mark(timeline::kStageLanded, next.stage);
             before_mma(next.stage);
         }
         warpgroup_fence_operand(part);
