@@ -9,9 +9,9 @@ the Python documentation CPython ships (`pydoc_data`), as UTF-8 bytes (a 256-sym
 tokenizer). Each step trains on `--tokens` tokens in sequences of `--seq`.
 
 Prints per backend tokens/s, step ms (median, min, max; the first step, which compiles
-kernels, apart: a repeated backend's finds them built), peak memory, the speed over the first backend, and how far each loss curve
-is from the first backend's: at any step, and at any logged step (the mean loss of each
-`--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
+kernels, apart: a repeated backend's finds them built), peak memory, the speed over the first
+backend, and how far each loss curve is from the first backend's: at any step, and at any
+logged step (the mean loss of each `--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
 times (`--plot`), and with `--json` each backend's per-step losses and step times. A backend
 named twice in `--backends` runs twice (the second as name#2): its spread against itself.
 Needs a Hopper GPU.
