@@ -93,17 +93,20 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
     const bool releases = ptx::lane_idx() == 0;
-    // Stage 0's descriptors, made once: a stage's are these advanced by its offset.
-    const uint64_t desc_a0 = make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0);
-    const uint64_t desc_b0 = make_operand_desc<Major::kKMajor>(smem.b(0), 0);
+    // Stage 0's descriptors, made once: a stage's are these advanced by its offset. Their low
+    // words come from lane 0 (a shuffle), so that the compiler keeps them in uniform registers
+    // and the MMAs read them there, not through a move from vector registers each.
+    const uint64_t desc_a0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0));
+    const uint64_t desc_b0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.b(0), 0));
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
     // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
     // the stage, the last moves on to the next.
     const auto issue = [&](Part& part, auto cols) {
         constexpr uint32_t kCols = decltype(cols)::value;
         // (the descriptors are made before the wait, so the first MMA issues right after it)
-        const uint64_t desc_a = advance_desc(desc_a0, next.stage * Smem::kBytesA);
-        const uint64_t desc_b = advance_desc(desc_b0, next.stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
+        const uint32_t stage = __shfl_sync(0xffffffff, next.stage, 0);  // (uniform too, as the bases)
+        const uint64_t desc_a = advance_desc(desc_a0, stage * Smem::kBytesA);
+        const uint64_t desc_b = advance_desc(desc_b0, stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
             timeline::mark(timeline::kStageLanded, next.stage);

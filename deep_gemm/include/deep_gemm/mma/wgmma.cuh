@@ -39,6 +39,12 @@ __device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) 
     return (desc >> 32 << 32) | lo;
 }
 
+// `desc` with its low word (the start address; the high word is the layout's constant) taken
+// from lane 0: for a descriptor every lane computes alike, so the compiler knows it is warp-uniform.
+__device__ __forceinline__ uint64_t warp_uniform_desc(uint64_t desc) {
+    return (desc >> 32 << 32) | __shfl_sync(0xffffffff, static_cast<uint32_t>(desc), 0);
+}
+
 // Descriptor of the k16 slice `k` of a tile whose swizzle atoms start at `tile`: the tile's
 // descriptor advanced, so that a loop over k builds one descriptor and adds to it.
 template <Major kMajor>
