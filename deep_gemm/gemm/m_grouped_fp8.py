@@ -15,7 +15,7 @@ from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
 from ..utils import check_multiple, print_configs_enabled
-from .common import BLOCK_M, NUM_THREADS, fp8_operand, grid_size, make_config
+from .common import BLOCK_M, NUM_THREADS, fp8_operand, grid_size, make_config, swizzled_staging_bytes
 from .m_grouped_bf16 import BF16_STORE, SWIGLU_STORE, MGroupedProblem, tensor_store_staging_bytes
 
 BLOCK_K = 128  # one scale block of K a stage
@@ -37,8 +37,12 @@ EPILOGUE_LABELS = {BF16_STORE: "", SWIGLU_STORE: "_swiglu", SWIGLU_FP8_ACT_STORE
 # row scales in each stage: 132 of them (the TMA box starts at the tile's first row rounded down
 # to 4), 640 bytes (producer::kFp8ScaleStageBytes). 256 columns when N allows: A's tile is read once for
 # twice the columns, and a tile's fixed costs (epilogue, drain) weigh half as much.
+# The bf16 output stages a warpgroup's whole tile (epilogue::WholeTileTma: BLOCK_N / 64 buffers of
+# 8 KB; docs/PERF.md, "Decisions": whole-tile staging), the SwiGLU epilogues two buffers.
 SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
-CONFIGS = {n: make_config(n, tensor_store_staging_bytes(n), scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
+CONFIGS = {n: make_config(n, max(tensor_store_staging_bytes(n), swizzled_staging_bytes(n // 64)),
+                          scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
+SWIGLU_CONFIG = make_config(256, tensor_store_staging_bytes(256), scale_bytes_per_stage=SCALE_STAGE_BYTES)
 
 
 def get_config(n: int):
@@ -48,10 +52,12 @@ def get_config(n: int):
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kernel:
-    """`epilogue`: BF16_STORE, SWIGLU_STORE (256-wide tiles of 128 gate and 128 up columns), or
+    """`epilogue`: BF16_STORE (bf16 D, a warpgroup's whole tile staged at once), SWIGLU_STORE (256-wide
+    tiles of 128 gate and 128 up columns), or
     SWIGLU_FP8_ACT_STORE (SWIGLU_STORE with act in e4m3, scaled as `fp8_quantize_rows` does by default)."""
-    config = CONFIGS[block_n]
-    args = f"{block_n}, deep_gemm::ptx::Fp32Scale" if epilogue == SWIGLU_FP8_ACT_STORE else f"{block_n}"
+    config = CONFIGS[block_n] if epilogue == BF16_STORE else SWIGLU_CONFIG
+    args = {BF16_STORE: f"{block_n}, deep_gemm::epilogue::WholeTileTma",
+            SWIGLU_FP8_ACT_STORE: f"{block_n}, deep_gemm::ptx::Fp32Scale"}.get(epilogue, f"{block_n}")
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
                    f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{epilogue}<{args}>>")
     return build_kernel("sm90_fp8_m_grouped_gemm.cuh", "dg_sm90_fp8_m_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
@@ -191,7 +197,7 @@ def _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_r
         return
     p = problem
     epilogue = SWIGLU_FP8_ACT_STORE if fp8_act else SWIGLU_STORE if swiglu else BF16_STORE
-    config = CONFIGS[256] if swiglu else get_config(p.n)
+    config = SWIGLU_CONFIG if swiglu else get_config(p.n)
     name = "nt" + EPILOGUE_LABELS[epilogue]
     if print_configs_enabled() and (name, p.m, p.n, p.k, p.num_groups) not in _printed:
         _printed.add((name, p.m, p.n, p.k, p.num_groups))

@@ -59,11 +59,34 @@ __device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
     ptx::named_barrier_sync(barrier_id, 128);
 }
 
-// D = acc in bf16, by tensor stores that overlap the warpgroup's next tile of MMAs.
-template <uint32_t BLOCK_N>
+// D = acc in bf16, by tensor stores that overlap the warpgroup's next tile of MMAs. `Tma` is
+// the tensor store of a full 64-row share: in batches of chunks through two buffers
+// (ChunkedTma), or all at once (WholeTileTma, BLOCK_N / 64 buffers of 8 KB).
+struct ChunkedTma {
+    template <uint32_t BLOCK_N>
+    static constexpr uint32_t kBytes = SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup;
+    template <uint32_t BLOCK_N>
+    __device__ __forceinline__ static void store(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
+                                                 uint32_t barrier_id, const CUtensorMap* desc, uint32_t n, uint32_t m) {
+        store_tile_tma<BLOCK_N, __nv_bfloat16, false>(acc, staging, barrier_id, desc, n, m, 0);
+    }
+};
+struct WholeTileTma {
+    template <uint32_t BLOCK_N>
+    static constexpr uint32_t kBytes = SwizzledStaging<__nv_bfloat16, BLOCK_N / 64>::kBytesPerWarpgroup;
+    template <uint32_t BLOCK_N>
+    __device__ __forceinline__ static void store(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
+                                                 uint32_t barrier_id, const CUtensorMap* desc, uint32_t n, uint32_t m) {
+        store_whole_tile_tma<BLOCK_N, __nv_bfloat16>(acc, staging, barrier_id, desc, n, m, 0);
+    }
+};
+
+template <uint32_t BLOCK_N, typename Tma = ChunkedTma>
 struct BF16TensorStore {
     using Columns = ContiguousColumns;
-    static constexpr uint32_t kStagingBytes = kTensorStoreStagingBytes<BLOCK_N>;
+    static constexpr uint32_t kStagingBytes = kTensorStoreStagingBytes<BLOCK_N> > Tma::template kBytes<BLOCK_N>
+                                                  ? kTensorStoreStagingBytes<BLOCK_N>
+                                                  : Tma::template kBytes<BLOCK_N>;
 
     template <typename Params>
     __device__ __forceinline__ static void prefetch(const Params& p) {
@@ -74,8 +97,7 @@ struct BF16TensorStore {
     __device__ __forceinline__ static void store(const float (&acc)[BLOCK_N / 2], const Params& p,
                                                  const WarpgroupRows& rows, uint8_t* staging, uint32_t barrier_id) {
         if (rows.count >= 64) {
-            store_tile_tma<BLOCK_N, __nv_bfloat16, false>(acc, staging, barrier_id, &p.tensor_map_d, rows.n_begin,
-                                                          rows.first, 0);
+            Tma::template store<BLOCK_N>(acc, staging, barrier_id, &p.tensor_map_d, rows.n_begin, rows.first);
         } else {
             wait_staging_free(barrier_id);
             store_bf16_staged<BLOCK_N>(acc, staging, barrier_id, p.d + static_cast<uint64_t>(rows.first) * p.n + rows.n_begin,

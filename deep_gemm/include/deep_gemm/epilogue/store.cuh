@@ -197,6 +197,35 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
     }
 }
 
+// `store_tile_tma` with the warpgroup's whole 64 x BLOCK_N share staged at once, in
+// BLOCK_N / kChunkN buffers: one fence and two barriers a tile rather than a fence and two
+// barriers a chunk (docs/PERF.md, "Decisions": whole-tile staging). The buffers are reused a
+// tile later, once the stores before have read them.
+template <uint32_t BLOCK_N, typename OutT>
+__device__ __forceinline__ void store_whole_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging,
+                                                     uint32_t barrier_id, const CUtensorMap* desc, uint32_t n,
+                                                     uint32_t m, uint32_t g) {
+    using Layout = SwizzledStaging<OutT, BLOCK_N / SwizzledStaging<OutT>::kChunkN>;
+    constexpr uint32_t kNumChunks = BLOCK_N / Layout::kChunkN;
+    const uint32_t thread = threadIdx.x % 128;
+    if (thread == 0)
+        ptx::bulk_wait_group_read<0>();
+    ptx::named_barrier_sync(barrier_id, 128);
+    #pragma unroll
+    for (uint32_t i = 0; i < kNumChunks; ++i) {
+        uint8_t* buffer = staging + i * Layout::kBufferBytes;
+        stage_chunk<Layout::kChunkN, OutT>(acc, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(buffer, r, byte); });
+    }
+    ptx::fence_view_async_shared();  // the tensor stores read through the async proxy
+    ptx::named_barrier_sync(barrier_id, 128);
+    if (thread == 0) {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNumChunks; ++i)
+            ptx::tma_store_3d<false>(desc, staging + i * Layout::kBufferBytes, n + i * Layout::kChunkN, m, g);
+        ptx::bulk_commit_group();
+    }
+}
+
 __device__ __forceinline__ void drain_bulk_stores() {
     if (threadIdx.x % 128 < 64)
         ptx::bulk_wait_group<0>();
