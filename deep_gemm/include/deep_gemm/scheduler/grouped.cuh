@@ -27,6 +27,28 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
 // ordered by pass first (all groups' runs of pass 0, then of pass 1, ...), so rows that arrive
 // late (an expert-parallel exchange fills pass s > 0) are reached last. Only the passes in
 // [pass_begin, pass_end) are walked: a GEMM may run its passes in several launches.
+// a / d and a % d by a float reciprocal and one correction: the walk between two tiles, which the
+// tensor cores wait for, is a dependent chain, and an integer division is ~20 instructions of it
+// (docs/PERF.md, "Decisions": scheduler arithmetic).
+struct Divisor {
+    uint32_t d;
+    float inv;
+
+    __device__ __forceinline__ explicit Divisor(uint32_t d) : d(d), inv(__fdividef(1.0f, static_cast<float>(d))) {}
+
+    // The quotient, and the remainder in `rem` (d > 0).
+    __device__ __forceinline__ uint32_t divide(uint32_t a, uint32_t& rem) const {
+        uint32_t q = static_cast<uint32_t>(static_cast<float>(a) * inv);  // (within a few of a / d)
+        int r = static_cast<int>(a - q * d);  // (tile indices and counts are below 2^31)
+        while (r < 0)
+            --q, r += static_cast<int>(d);
+        while (r >= static_cast<int>(d))
+            ++q, r -= static_cast<int>(d);
+        rem = static_cast<uint32_t>(r);
+        return q;
+    }
+};
+
 template <uint32_t BLOCK_M, uint32_t BLOCK_N>
 struct MGroupedScheduler {
     struct Tile {
@@ -35,24 +57,27 @@ struct MGroupedScheduler {
 
     const int* offsets;
     uint32_t num_groups, num_passes, num_n_blocks, num_rows_total, run_end;
-    uint32_t next_tile, run, run_tile_begin = 0;  // run = pass * num_groups + group
-    uint32_t run_row_begin = 0, run_row_end = 0, run_num_tiles = 0;
+    Divisor n_blocks;
+    // run = pass * num_groups + group: the walk's position, its group and pass counted along
+    uint32_t next_tile, run, group = 0, pass, run_tile_begin = 0;
+    uint32_t run_row_begin = 0, run_row_end = 0, run_num_m_blocks = 0, run_num_tiles = 0;
 
     __device__ __forceinline__ MGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t num_passes,
                                                  uint32_t pass_begin, uint32_t pass_end, uint32_t m, uint32_t n)
         : offsets(offsets), num_groups(num_groups), num_passes(num_passes), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
-          num_rows_total(m), run_end(min(pass_end, num_passes) * num_groups), next_tile(blockIdx.x),
-          run(pass_begin * num_groups) {
+          num_rows_total(m), run_end(min(pass_end, num_passes) * num_groups), n_blocks(max(num_n_blocks, 1u)),
+          next_tile(blockIdx.x), run(pass_begin * num_groups), pass(pass_begin) {
         load_run();
     }
 
     __device__ __forceinline__ void load_run() {
         if (run >= run_end)
             return;
-        const uint32_t slot = (run % num_groups) * num_passes + run / num_groups;
+        const uint32_t slot = group * num_passes + pass;
         run_row_begin = clamped_offset(offsets, slot, 0, num_rows_total);
         run_row_end = clamped_offset(offsets, slot + 1, run_row_begin, num_rows_total);
-        run_num_tiles = ptx::ceil_div(run_row_end - run_row_begin, BLOCK_M) * num_n_blocks;
+        run_num_m_blocks = ptx::ceil_div(run_row_end - run_row_begin, BLOCK_M);
+        run_num_tiles = run_num_m_blocks * num_n_blocks;
     }
 
     __device__ __forceinline__ bool next(Tile& tile) {
@@ -61,17 +86,23 @@ struct MGroupedScheduler {
         while (run < run_end and idx >= run_tile_begin + run_num_tiles) {
             run_tile_begin += run_num_tiles;
             ++run;
+            if (++group == num_groups)
+                group = 0, ++pass;
             load_run();
         }
         if (run >= run_end)
             return false;
-        const uint32_t local = idx - run_tile_begin, num_m_blocks = run_num_tiles / num_n_blocks;
-        const bool m_fastest = num_m_blocks * BLOCK_M <= num_n_blocks * BLOCK_N;
-        tile.group = run % num_groups;
-        tile.pass = run / num_groups;
-        tile.row_begin = run_row_begin + (m_fastest ? local % num_m_blocks : local / num_n_blocks) * BLOCK_M;
+        const uint32_t local = idx - run_tile_begin;
+        uint32_t m_block, n_block;
+        if (run_num_m_blocks * BLOCK_M <= num_n_blocks * BLOCK_N)  // M blocks fastest
+            n_block = Divisor(run_num_m_blocks).divide(local, m_block);
+        else
+            m_block = n_blocks.divide(local, n_block);
+        tile.group = group;
+        tile.pass = pass;
+        tile.row_begin = run_row_begin + m_block * BLOCK_M;
         tile.num_rows = min(BLOCK_M, run_row_end - tile.row_begin);
-        tile.n_begin = (m_fastest ? local / num_m_blocks : local % num_n_blocks) * BLOCK_N;
+        tile.n_begin = n_block * BLOCK_N;
         return true;
     }
 };
