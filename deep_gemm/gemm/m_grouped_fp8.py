@@ -43,6 +43,9 @@ SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
 CONFIGS = {n: make_config(n, max(tensor_store_staging_bytes(n), swizzled_staging_bytes(n // 64)),
                           scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
 SWIGLU_CONFIG = make_config(256, tensor_store_staging_bytes(256), scale_bytes_per_stage=SCALE_STAGE_BYTES)
+# (the e4m3 act's epilogue stages a whole tile too: h's four chunks and the act, five buffers)
+SWIGLU_FP8_ACT_CONFIG = make_config(256, max(tensor_store_staging_bytes(256), swizzled_staging_bytes(5)),
+                                    scale_bytes_per_stage=SCALE_STAGE_BYTES)
 
 
 def get_config(n: int):
@@ -55,7 +58,7 @@ def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kerne
     """`epilogue`: BF16_STORE (bf16 D, a warpgroup's whole tile staged at once), SWIGLU_STORE (256-wide
     tiles of 128 gate and 128 up columns), or
     SWIGLU_FP8_ACT_STORE (SWIGLU_STORE with act in e4m3, scaled as `fp8_quantize_rows` does by default)."""
-    config = CONFIGS[block_n] if epilogue == BF16_STORE else SWIGLU_CONFIG
+    config = {BF16_STORE: CONFIGS[block_n], SWIGLU_FP8_ACT_STORE: SWIGLU_FP8_ACT_CONFIG}.get(epilogue, SWIGLU_CONFIG)
     args = {BF16_STORE: f"{block_n}, deep_gemm::epilogue::WholeTileTma",
             SWIGLU_FP8_ACT_STORE: f"{block_n}, deep_gemm::ptx::Fp32Scale"}.get(epilogue, f"{block_n}")
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "

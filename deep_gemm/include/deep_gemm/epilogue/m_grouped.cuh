@@ -178,17 +178,37 @@ template <uint32_t BLOCK_N, typename ScaleRule>
 struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
     using Base = SwiGLUTensorStore<BLOCK_N>;
     static constexpr uint32_t kHalf = Base::kHalf;
-    static_assert(SwizzledStaging<uint8_t>::kBufferBytes <= Base::kStagingBytes, "the e4m3 tile is one buffer");
+    // A full 64-row share is staged whole, h's four 64-column chunks then the e4m3 act, and leaves
+    // by one batch of tensor stores (one fence, two barriers; docs/PERF.md, "Decisions":
+    // whole-tile staging); a group's last rows leave as SwiGLUTensorStore's, the act from buffer 0.
+    using Buffers = SwizzledStaging<__nv_bfloat16, BLOCK_N / 64 + 1>;
+    static constexpr uint32_t kStagingBytes =
+        Buffers::kBytesPerWarpgroup > Base::kStagingBytes ? Buffers::kBytesPerWarpgroup : Base::kStagingBytes;
+    static_assert(SwizzledStaging<uint8_t>::kBufferBytes == Buffers::kBufferBytes, "the e4m3 tile is one buffer");
 
     template <typename Params>
     __device__ __forceinline__ static void store(float (&acc)[BLOCK_N / 2], const Params& p, const WarpgroupRows& rows,
                                                  uint8_t* staging, uint32_t barrier_id) {
-        // The previous tile's act store, its last bulk group, read buffer 0, which gate's first
-        // tensor store reuses, while store_tile_tma waits only for the groups before the newest
-        // one. Issued a mainloop ago, it has long finished.
-        wait_staging_free(barrier_id);
+        constexpr uint32_t kChunkN = SwizzledStaging<__nv_bfloat16>::kChunkN, kHChunks = BLOCK_N / kChunkN;
+        const auto buffer = [&](uint32_t i) { return staging + i * Buffers::kBufferBytes; };
+        wait_staging_free(barrier_id);  // (the previous tile's stores, issued a mainloop ago)
         const bool tensor_stores = rows.count >= 64;
-        float (&act)[kHalf] = Base::store_h_then_swiglu(acc, p, rows, staging, barrier_id, tensor_stores);
+        float (&gate)[kHalf] = *reinterpret_cast<float (*)[kHalf]>(acc);
+        if (tensor_stores) {
+            const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(acc + kHalf);
+            #pragma unroll
+            for (uint32_t i = 0; i < kHChunks / 2; ++i) {  // gate's chunks in buffers 0.., then up's
+                uint8_t *g = buffer(i), *u = buffer(kHChunks / 2 + i);
+                stage_chunk<kChunkN, __nv_bfloat16>(gate, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(g, r, byte); });
+                stage_chunk<kChunkN, __nv_bfloat16>(up, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(u, r, byte); });
+            }
+            #pragma unroll
+            for (uint32_t i = 0; i < kHalf; ++i)
+                gate[i] = swiglu(gate[i], up[i]);
+        } else {
+            Base::store_h_then_swiglu(acc, p, rows, staging, barrier_id, false);  // (ends with the staging free)
+        }
+        float (&act)[kHalf] = gate;
 
         float amax[2] = {0.0f, 0.0f};  // of this thread's two rows
         #pragma unroll
@@ -216,21 +236,23 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
             }
         }
 
-        // The e4m3 tile into buffer 0, swizzled as the tensor map reads it: up's first tensor store
-        // read it (the newest group, up's second, reads buffer 1; after synchronous h stores, none).
-        const uint32_t thread = threadIdx.x % 128;
-        if (thread == 0)
-            ptx::bulk_wait_group_read<1>();
-        ptx::named_barrier_sync(barrier_id, 128);
+        // The e4m3 tile, swizzled as the tensor map reads it.
+        uint8_t* act_buffer = buffer(tensor_stores ? kHChunks : 0);
         for_each_column_pair<BLOCK_N / 2>(0, [&](uint32_t r, uint32_t c, uint32_t i) {
             const float s = inv[(i / 2) % 2];
-            ptx::st_shared_u16(swizzled_128b(staging, r, c), ptx::pack_e4m3x2(act[i] * s, act[i + 1] * s));
+            ptx::st_shared_u16(swizzled_128b(act_buffer, r, c), ptx::pack_e4m3x2(act[i] * s, act[i + 1] * s));
         });
         ptx::fence_view_async_shared();  // a tensor store reads through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
+        const uint32_t thread = threadIdx.x % 128;
         if (tensor_stores) {
             if (thread == 0) {
-                ptx::tma_store_3d<false>(&p.tensor_map_act, staging, col, rows.first, 0);
+                #pragma unroll
+                for (uint32_t i = 0; i < kHChunks; ++i)
+                    ptx::tma_store_3d<false>(&p.tensor_map_d, buffer(i),
+                                             (i < kHChunks / 2 ? col : inter + col) + (i % (kHChunks / 2)) * kChunkN,
+                                             rows.first, 0);
+                ptx::tma_store_3d<false>(&p.tensor_map_act, act_buffer, col, rows.first, 0);
                 ptx::bulk_commit_group();
             }
         } else {
@@ -241,7 +263,7 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
                 uint8_t* dst = p.act_fp8 + static_cast<uint64_t>(rows.first + r) * inter + col + first_byte;
                 #pragma unroll
                 for (uint32_t byte = 0; byte < 64; byte += 16)
-                    *reinterpret_cast<uint4*>(dst + byte) = ptx::ld_shared_v4(swizzled_128b(staging, r, first_byte + byte));
+                    *reinterpret_cast<uint4*>(dst + byte) = ptx::ld_shared_v4(swizzled_128b(act_buffer, r, first_byte + byte));
             }
         }
     }
