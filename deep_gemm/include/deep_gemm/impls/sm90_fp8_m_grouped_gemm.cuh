@@ -123,7 +123,11 @@ struct Sm90FP8MGroupedGemm {
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
-            while (scheduler.next(tile)) {
+            // The next tile is found while this tile's first MMAs run: the scheduler's walk then
+            // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic).
+            typename Scheduler::Tile upcoming;
+            bool more = scheduler.next(tile);
+            while (more) {
                 const uint32_t row = wg * 64;
                 const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
                                                    tile.n_begin};
@@ -138,10 +142,12 @@ struct Sm90FP8MGroupedGemm {
                     [](uint32_t) {
                         if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy
                             ptx::fence_view_async_shared();
-                    });
+                    },
+                    [&] { more = scheduler.next(upcoming); });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 Epilogue::store(acc, p, rows, staging, 1 + wg);
                 timeline::mark(timeline::kEpilogueEnd, tile.group);
+                tile = upcoming;
             }
             Epilogue::drain();
         }

@@ -76,15 +76,22 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
 // flight and may read the stage (scales in shared memory), the promotion may not: each warp
 // releases the stage once the k-block's last MMAs are done, before promoting them, so that the
 // producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
-// landed and before any MMA reads it. kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
+// landed and before any MMA reads it; `after_first()` once the tile's first MMAs are issued (work
+// that then overlaps them, e.g. the scheduler's next tile; also called when there is no k-block).
+// kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer).
+struct NoWork {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem,
-          typename Scales, typename BeforeMMA>
+          typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
-                                                     const Scales& scales, const BeforeMMA& before_mma) {
+                                                     const Scales& scales, const BeforeMMA& before_mma,
+                                                     const AfterFirst& after_first = {}) {
     constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
@@ -140,18 +147,27 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;
     constexpr std::integral_constant<uint32_t, 0> kFirst;
+    if (num_k_blocks == 0) {
+        after_first();
+        return;
+    }
     if constexpr (kNumProductSets == 1) {
-        for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block)
+        for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
+            issue(part0, cols);
+            if constexpr (decltype(cols)::value == 0)
+                after_first();
+            promote(kNoneNewer, part0, 0, cols);
+        });
+        for (uint32_t k_block = 1; k_block < num_k_blocks; ++k_block)
             for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
                 issue(part0, cols), promote(kNoneNewer, part0, k_block, cols);
             });
         return;
     }
-    if (num_k_blocks == 0)
-        return;
     // Which products are in flight must not depend on the path taken (ptxas serializes the MMAs
     // otherwise): the loop starts and ends each pair with block k_block's in part0, the tail drains.
     issue(part0, kFirst);
+    after_first();
     uint32_t k_block = 0;
     for (; k_block + 2 < num_k_blocks; k_block += 2) {
         issue(part1, kFirst);
