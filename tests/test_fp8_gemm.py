@@ -46,7 +46,7 @@ CASES = [
     ("uniform", 1536, 2048),
     ("skewed", 768, 1024),
     # 300 groups of 0-3 rows, then a huge one: a CTA's next tile lies many groups on (the
-    # scheduler's walk), and the huge group's tile indices run into the thousands
+    # scheduler's walk), and the huge group's tiles go N blocks fastest
     ([g % 4 for g in range(300)] + [9000], 512, 256),
 ]
 

@@ -23,7 +23,8 @@ class GemmConfig:
 
     block_n: tile width (the tile is 128 x block_n); num_stages: pipeline depth; smem_bytes:
     dynamic shared memory (stages, epilogue staging, barriers); store_buffers: 64-row x
-    128-byte staging buffers per math warpgroup that its tensor stores cycle through;
+    128-byte staging buffers per math warpgroup that its tensor stores cycle through (the
+    k-grouped GEMMs; the m-grouped epilogue policies fix their own);
     multicast_b: CTAs in clusters of two (two M blocks, one N block) that each load half of B's
     tile for both (k-grouped only); row_copies: the epilogue drains through one bulk copy per
     row instead of tensor stores (the k-grouped GEMM's accumulating bf16 output).

@@ -38,14 +38,19 @@ EPILOGUE_LABELS = {BF16_STORE: "", SWIGLU_STORE: "_swiglu", SWIGLU_FP8_ACT_STORE
 # to 4), 640 bytes (producer::kFp8ScaleStageBytes). 256 columns when N allows: A's tile is read once for
 # twice the columns, and a tile's fixed costs (epilogue, drain) weigh half as much.
 # The bf16 output stages a warpgroup's whole tile (epilogue::WholeTileTma: BLOCK_N / 64 buffers of
-# 8 KB; docs/PERF.md, "Decisions": whole-tile staging), the SwiGLU epilogues two buffers.
+# 8 KB; docs/PERF.md, "Decisions": whole-tile staging), and so does the SwiGLU epilogue with an
+# e4m3 act (h's four chunks and the act: five buffers); the bf16-act SwiGLU epilogue has two.
 SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
 CONFIGS = {n: make_config(n, max(tensor_store_staging_bytes(n), swizzled_staging_bytes(n // 64)),
                           scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
 SWIGLU_CONFIG = make_config(256, tensor_store_staging_bytes(256), scale_bytes_per_stage=SCALE_STAGE_BYTES)
-# (the e4m3 act's epilogue stages a whole tile too: h's four chunks and the act, five buffers)
 SWIGLU_FP8_ACT_CONFIG = make_config(256, max(tensor_store_staging_bytes(256), swizzled_staging_bytes(5)),
                                     scale_bytes_per_stage=SCALE_STAGE_BYTES)
+
+
+def _config(epilogue: str, block_n: int):
+    """The compiled variant's config (tile width, stages, shared memory) of `epilogue`."""
+    return {BF16_STORE: CONFIGS[block_n], SWIGLU_FP8_ACT_STORE: SWIGLU_FP8_ACT_CONFIG}.get(epilogue, SWIGLU_CONFIG)
 
 
 def get_config(n: int):
@@ -55,10 +60,10 @@ def get_config(n: int):
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kernel:
-    """`epilogue`: BF16_STORE (bf16 D, a warpgroup's whole tile staged at once), SWIGLU_STORE (256-wide
-    tiles of 128 gate and 128 up columns), or
-    SWIGLU_FP8_ACT_STORE (SWIGLU_STORE with act in e4m3, scaled as `fp8_quantize_rows` does by default)."""
-    config = {BF16_STORE: CONFIGS[block_n], SWIGLU_FP8_ACT_STORE: SWIGLU_FP8_ACT_CONFIG}.get(epilogue, SWIGLU_CONFIG)
+    """`epilogue`: BF16_STORE (bf16 D, a warpgroup's whole tile staged at once), SWIGLU_STORE
+    (256-wide tiles of 128 gate and 128 up columns), or SWIGLU_FP8_ACT_STORE (SWIGLU_STORE with act
+    in e4m3, scaled as `fp8_quantize_rows` does by default)."""
+    config = _config(epilogue, block_n)
     args = {BF16_STORE: f"{block_n}, deep_gemm::epilogue::WholeTileTma",
             SWIGLU_FP8_ACT_STORE: f"{block_n}, deep_gemm::ptx::Fp32Scale"}.get(epilogue, f"{block_n}")
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
@@ -200,7 +205,7 @@ def _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_r
         return
     p = problem
     epilogue = SWIGLU_FP8_ACT_STORE if fp8_act else SWIGLU_STORE if swiglu else BF16_STORE
-    config = SWIGLU_CONFIG if swiglu else get_config(p.n)
+    config = _config(epilogue, 256) if swiglu else get_config(p.n)
     name = "nt" + EPILOGUE_LABELS[epilogue]
     if print_configs_enabled() and (name, p.m, p.n, p.k, p.num_groups) not in _printed:
         _printed.add((name, p.m, p.n, p.k, p.num_groups))

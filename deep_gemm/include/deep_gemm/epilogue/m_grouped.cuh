@@ -184,7 +184,7 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
     using Buffers = SwizzledStaging<__nv_bfloat16, BLOCK_N / 64 + 1>;
     static constexpr uint32_t kStagingBytes =
         Buffers::kBytesPerWarpgroup > Base::kStagingBytes ? Buffers::kBytesPerWarpgroup : Base::kStagingBytes;
-    static_assert(SwizzledStaging<uint8_t>::kBufferBytes == Buffers::kBufferBytes, "the e4m3 tile is one buffer");
+    static_assert(BLOCK_N / 2 == SwizzledStaging<uint8_t>::kChunkN, "the tile's e4m3 act columns fill one buffer");
 
     template <typename Params>
     __device__ __forceinline__ static void store(float (&acc)[BLOCK_N / 2], const Params& p, const WarpgroupRows& rows,

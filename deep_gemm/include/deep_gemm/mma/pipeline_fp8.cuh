@@ -69,6 +69,11 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
     (f(std::integral_constant<uint32_t, kCols>{}), ...);
 }
 
+// consume_k_blocks_fp8's `after_first` by default: nothing.
+struct NoWork {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 // One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of kProductN columns (m64nNk32
 // MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
 // is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
@@ -82,10 +87,6 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer).
-struct NoWork {
-    __device__ __forceinline__ void operator()() const {}
-};
-
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem,
           typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,

@@ -13,21 +13,7 @@ __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t 
     return min(max(static_cast<uint32_t>(max(v, 0)), lo), hi);
 }
 
-// Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
-// Tiles are ordered by group; inside a group, CTAs running at the same time share A's rows and
-// B's columns in L2, and the operand that is larger for the group streams past while the
-// smaller one stays in L2: when the group has at most as many rows as N (both rounded up to
-// whole tiles: B, the weights, is larger), the tiles reading one column block of B come
-// together (M blocks fastest), otherwise those reading one row block of A (N blocks fastest; a
-// hot expert's rows). With few rows per group, M blocks fastest read each expert's weights from
-// HBM about once (docs/PERF.md, "Decisions": tile order).
-//
-// With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
-// entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
-// ordered by pass first (all groups' runs of pass 0, then of pass 1, ...), so rows that arrive
-// late (an expert-parallel exchange fills pass s > 0) are reached last. Only the passes in
-// [pass_begin, pass_end) are walked: a GEMM may run its passes in several launches.
-// a / d and a % d by a float reciprocal and one correction: the walk between two tiles, which the
+// a / d and a % d by a float reciprocal and a correction: the walk between two tiles, which the
 // tensor cores wait for, is a dependent chain, and an integer division is ~20 instructions of it
 // (docs/PERF.md, "Decisions": scheduler arithmetic).
 struct Divisor {
@@ -49,6 +35,20 @@ struct Divisor {
     }
 };
 
+// Groups of rows of A (and of D) back to back: group g owns rows [offsets[g], offsets[g+1]).
+// Tiles are ordered by group; inside a group, CTAs running at the same time share A's rows and
+// B's columns in L2, and the operand that is larger for the group streams past while the
+// smaller one stays in L2: when the group has at most as many rows as N (both rounded up to
+// whole tiles: B, the weights, is larger), the tiles reading one column block of B come
+// together (M blocks fastest), otherwise those reading one row block of A (N blocks fastest; a
+// hot expert's rows). With few rows per group, M blocks fastest read each expert's weights from
+// HBM about once (docs/PERF.md, "Decisions": tile order).
+//
+// With S > 1 passes, each group's rows are split into S runs, back to back: offsets has G * S + 1
+// entries and run (g, s) owns rows [offsets[g * S + s], offsets[g * S + s + 1]). Tiles are then
+// ordered by pass first (all groups' runs of pass 0, then of pass 1, ...), so rows that arrive
+// late (an expert-parallel exchange fills pass s > 0) are reached last. Only the passes in
+// [pass_begin, pass_end) are walked: a GEMM may run its passes in several launches.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N>
 struct MGroupedScheduler {
     struct Tile {
