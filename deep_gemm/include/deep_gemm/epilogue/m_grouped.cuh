@@ -52,13 +52,6 @@ constexpr uint32_t kTensorStoreStagingBytes =
                       : SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup,
                   1024u) * 1024;
 
-// Before a synchronous store: the staging may still feed the warpgroup's earlier tensor stores.
-__device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
-    if (threadIdx.x % 128 == 0)
-        ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync(barrier_id, 128);
-}
-
 // D = acc in bf16, by tensor stores that overlap the warpgroup's next tile of MMAs. `Tma` is
 // the tensor store of a full 64-row share: in batches of chunks through two buffers
 // (ChunkedTma), or all at once (WholeTileTma, BLOCK_N / 64 buffers of 8 KB).

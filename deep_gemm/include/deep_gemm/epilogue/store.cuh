@@ -152,6 +152,13 @@ __device__ __forceinline__ uint8_t* swizzled_128b(uint8_t* buffer, uint32_t r, u
     return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
 }
 
+// Until the warpgroup's earlier tensor stores have read its staging (thread 0 waits, all sync).
+__device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
+    if (threadIdx.x % 128 == 0)
+        ptx::bulk_wait_group_read<0>();
+    ptx::named_barrier_sync(barrier_id, 128);
+}
+
 // Asynchronous epilogue through tensor stores: each 128-byte-wide column chunk of the
 // warpgroup's 64 x BLOCK_N accumulators goes to a swizzled buffer (the 8 rows a warp writes at
 // once are spread over the banks), then one 3-D TMA store of `desc` at (n, m, g) drains it
@@ -207,10 +214,7 @@ __device__ __forceinline__ void store_whole_tile_tma(const float (&acc)[BLOCK_N 
                                                      uint32_t m, uint32_t g) {
     using Layout = SwizzledStaging<OutT, BLOCK_N / SwizzledStaging<OutT>::kChunkN>;
     constexpr uint32_t kNumChunks = BLOCK_N / Layout::kChunkN;
-    const uint32_t thread = threadIdx.x % 128;
-    if (thread == 0)
-        ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync(barrier_id, 128);
+    wait_staging_free(barrier_id);
     #pragma unroll
     for (uint32_t i = 0; i < kNumChunks; ++i) {
         uint8_t* buffer = staging + i * Layout::kBufferBytes;
@@ -218,7 +222,7 @@ __device__ __forceinline__ void store_whole_tile_tma(const float (&acc)[BLOCK_N 
     }
     ptx::fence_view_async_shared();  // the tensor stores read through the async proxy
     ptx::named_barrier_sync(barrier_id, 128);
-    if (thread == 0) {
+    if (threadIdx.x % 128 == 0) {
         #pragma unroll
         for (uint32_t i = 0; i < kNumChunks; ++i)
             ptx::tma_store_3d<false>(desc, staging + i * Layout::kBufferBytes, n + i * Layout::kChunkN, m, g);

@@ -101,4 +101,10 @@ __device__ __forceinline__ void cluster_sync() {
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 
+// offsets[i] clamped into [lo, hi] (negative offsets read as 0): group boundaries read on the GPU
+// can never reach out of range, whatever the caller passed.
+__device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
+    return min(max(static_cast<uint32_t>(max(__ldg(offsets + i), 0)), lo), hi);
+}
+
 }  // namespace deep_gemm::ptx

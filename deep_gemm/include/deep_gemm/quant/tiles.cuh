@@ -211,11 +211,6 @@ __device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSm
     store_smem_columns_fp8<ScaleRule>(smem, qt, ld, scales);
 }
 
-// offsets[i] clamped into [lo, hi] (negative offsets read as 0).
-__device__ __forceinline__ uint32_t clamped(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
-    return min(max(static_cast<uint32_t>(max(__ldg(offsets + i), 0)), lo), hi);
-}
-
 // padded[g] = sum over g' < g of group g' (rows offsets[g'] .. offsets[g' + 1], clamped to m) rounded
 // up to 128 rows: an exclusive scan, each thread over up to kMaxGroups / kNumThreads groups. CTA 0
 // also writes it to `out` for the GEMMs. Every thread calls it; `padded` is ready when it returns.
@@ -230,8 +225,8 @@ __device__ __forceinline__ void padded_offsets(const int* offsets, uint32_t num_
         const uint32_t g = first + j;
         sizes[j] = 0;
         if (g < num_groups) {
-            const uint32_t begin = clamped(offsets, g, 0, m);
-            sizes[j] = static_cast<int>(ptx::ceil_div(clamped(offsets, g + 1, begin, m) - begin, kTile) * kTile);
+            const uint32_t begin = ptx::clamped_offset(offsets, g, 0, m);
+            sizes[j] = static_cast<int>(ptx::ceil_div(ptx::clamped_offset(offsets, g + 1, begin, m) - begin, kTile) * kTile);
         }
         sum += sizes[j];
     }
@@ -282,7 +277,7 @@ __device__ __forceinline__ uint32_t group_of(const int* padded, uint32_t num_gro
 __device__ __forceinline__ void padded_block_rows(const int* padded, const int* offsets, uint32_t num_groups,
                                                   uint32_t m, uint32_t block, uint32_t& row_begin, uint32_t& num_rows) {
     const uint32_t g = group_of(padded, num_groups, block * kTile);
-    const uint32_t begin = clamped(offsets, g, 0, m), end = clamped(offsets, g + 1, begin, m);
+    const uint32_t begin = ptx::clamped_offset(offsets, g, 0, m), end = ptx::clamped_offset(offsets, g + 1, begin, m);
     row_begin = begin + block * kTile - padded[g];
     num_rows = min(kTile, end - min(row_begin, end));
 }

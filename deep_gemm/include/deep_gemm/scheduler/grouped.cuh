@@ -8,11 +8,6 @@
 
 namespace deep_gemm::scheduler {
 
-__device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
-    const int v = __ldg(offsets + i);
-    return min(max(static_cast<uint32_t>(max(v, 0)), lo), hi);
-}
-
 // a / d and a % d by a float reciprocal and a correction: the walk between two tiles, which the
 // tensor cores wait for, is a dependent chain, and an integer division is ~20 instructions of it
 // (docs/PERF.md, "Decisions": scheduler arithmetic).
@@ -74,8 +69,8 @@ struct MGroupedScheduler {
         if (run >= run_end)
             return;
         const uint32_t slot = group * num_passes + pass;
-        run_row_begin = clamped_offset(offsets, slot, 0, num_rows_total);
-        run_row_end = clamped_offset(offsets, slot + 1, run_row_begin, num_rows_total);
+        run_row_begin = ptx::clamped_offset(offsets, slot, 0, num_rows_total);
+        run_row_end = ptx::clamped_offset(offsets, slot + 1, run_row_begin, num_rows_total);
         run_num_m_blocks = ptx::ceil_div(run_row_end - run_row_begin, BLOCK_M);
         run_num_tiles = run_num_m_blocks * num_n_blocks;
     }
@@ -139,8 +134,8 @@ struct KGroupedScheduler {
         const uint32_t m_block = (local / num_n_blocks) * kClusterM + (kClusterM > 1 ? ptx::cluster_cta_rank() : 0);
         tile.m_begin = m_block * BLOCK_M;
         tile.n_begin = (local % num_n_blocks) * BLOCK_N;
-        tile.k_begin = clamped_offset(offsets, tile.group, 0, num_rows_total);
-        tile.k_end = clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
+        tile.k_begin = ptx::clamped_offset(offsets, tile.group, 0, num_rows_total);
+        tile.k_end = ptx::clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
         return true;
     }
 };
