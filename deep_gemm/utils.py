@@ -30,10 +30,15 @@ def get_num_sms(device: Optional[int] = None) -> int:
     return total if _num_sms is None else min(_num_sms, total)
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable `name` is set to something other than "" or "0"."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 @functools.lru_cache(maxsize=None)
 def print_configs_enabled() -> bool:
     """DG_PRINT_CONFIGS, read once: launchers ask on every call."""
-    return os.environ.get("DG_PRINT_CONFIGS", "0") not in ("", "0")
+    return env_flag("DG_PRINT_CONFIGS")
 
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int) -> None:

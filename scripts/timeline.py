@@ -23,11 +23,11 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from ab_gemm import make_fp8_call  # noqa: E402
 from bench_common import MODELS, require_sm90  # noqa: E402
 from bench_gemm import gemm_cases  # noqa: E402
 from deep_gemm.jit.runtime import timeline_buffer  # noqa: E402
-from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import offsets_from_sizes, random_group_sizes  # noqa: E402
+from deep_gemm.testing import random_group_sizes  # noqa: E402
 
 # ptx/trace.cuh's timeline::Event
 TILE_START, STAGE_LANDED, MAINLOOP_END, EPILOGUE_END, LOADS_ISSUED = 1, 2, 3, 4, 5
@@ -35,27 +35,13 @@ GEMMS = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2")  # bench_gemm.p
 
 
 def make_gemm(gemm: str, model: str, routing: str):
-    """A closure running `gemm` once at `model`'s shape on random operands."""
+    """A closure running `gemm` once at `model`'s shape on random operands (`ab_gemm.py`'s)."""
     hidden, inter, experts, topk, tokens = MODELS[model]
     label = f"{gemm} fp32" if gemm.startswith("wgrad") else gemm
-    kind, d1, d2 = next((kind, d1, d2) for name, kind, d1, d2, _ in gemm_cases(hidden, inter) if name == label)
+    d1, d2 = next((d1, d2) for name, _, d1, d2, _ in gemm_cases(hidden, inter) if name == label)
     sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens,
                                generator=torch.Generator().manual_seed(0))
-    rows, offsets = sum(sizes), offsets_from_sizes(sizes)
-    if kind == "tn":
-        a = torch.randn(rows, d1, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(rows, d2, device="cuda", dtype=torch.bfloat16)
-        (_, qa), (_, qb) = fp8_quantize_columns(a, offsets), fp8_quantize_columns(b, offsets)
-        d = torch.empty(len(sizes), d1, d2, device="cuda", dtype=torch.float32)
-        return lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,
-                                                                  qa.padded_offsets)
-    n, k = d1, d2
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(len(sizes), *((n, k) if kind == "nt" else (k, n)), device="cuda", dtype=torch.bfloat16)
-    qx, qw = fp8_quantize_rows(x), fp8_quantize_weights(w)
-    b = (qw.data, qw.scales) if kind == "nt" else qw.transposed_operand()
-    d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    return lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((qx.data, qx.scales), b, d, offsets)
+    return make_fp8_call(deep_gemm, label, d1, d2, sizes, {})
 
 
 def summarize(records: torch.Tensor) -> list[str]:

@@ -43,14 +43,11 @@ EPILOGUE_LABELS = {BF16_STORE: "", SWIGLU_STORE: "_swiglu", SWIGLU_FP8_ACT_STORE
 SCALE_BOX_ROWS, SCALE_STAGE_BYTES = 132, 640
 CONFIGS = {n: make_config(n, max(tensor_store_staging_bytes(n), swizzled_staging_bytes(n // 64)),
                           scale_bytes_per_stage=SCALE_STAGE_BYTES) for n in (128, 256)}
-SWIGLU_CONFIG = make_config(256, tensor_store_staging_bytes(256), scale_bytes_per_stage=SCALE_STAGE_BYTES)
-SWIGLU_FP8_ACT_CONFIG = make_config(256, max(tensor_store_staging_bytes(256), swizzled_staging_bytes(5)),
-                                    scale_bytes_per_stage=SCALE_STAGE_BYTES)
-
-
-def _config(epilogue: str, block_n: int):
-    """The compiled variant's config (tile width, stages, shared memory) of `epilogue`."""
-    return {BF16_STORE: CONFIGS[block_n], SWIGLU_FP8_ACT_STORE: SWIGLU_FP8_ACT_CONFIG}.get(epilogue, SWIGLU_CONFIG)
+SWIGLU_CONFIGS = {  # (256-wide tiles)
+    SWIGLU_STORE: make_config(256, tensor_store_staging_bytes(256), scale_bytes_per_stage=SCALE_STAGE_BYTES),
+    SWIGLU_FP8_ACT_STORE: make_config(256, max(tensor_store_staging_bytes(256), swizzled_staging_bytes(5)),
+                                      scale_bytes_per_stage=SCALE_STAGE_BYTES),
+}
 
 
 def get_config(n: int):
@@ -63,7 +60,7 @@ def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kerne
     """`epilogue`: BF16_STORE (bf16 D, a warpgroup's whole tile staged at once), SWIGLU_STORE
     (256-wide tiles of 128 gate and 128 up columns), or SWIGLU_FP8_ACT_STORE (SWIGLU_STORE with act
     in e4m3, scaled as `fp8_quantize_rows` does by default)."""
-    config = _config(epilogue, block_n)
+    config = CONFIGS[block_n] if epilogue == BF16_STORE else SWIGLU_CONFIGS[epilogue]
     args = {BF16_STORE: f"{block_n}, deep_gemm::epilogue::WholeTileTma",
             SWIGLU_FP8_ACT_STORE: f"{block_n}, deep_gemm::ptx::Fp32Scale"}.get(epilogue, f"{block_n}")
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
@@ -205,7 +202,7 @@ def _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_r
         return
     p = problem
     epilogue = SWIGLU_FP8_ACT_STORE if fp8_act else SWIGLU_STORE if swiglu else BF16_STORE
-    config = _config(epilogue, 256) if swiglu else get_config(p.n)
+    config = SWIGLU_CONFIGS[epilogue] if swiglu else get_config(p.n)
     name = "nt" + EPILOGUE_LABELS[epilogue]
     if print_configs_enabled() and (name, p.m, p.n, p.k, p.num_groups) not in _printed:
         _printed.add((name, p.m, p.n, p.k, p.num_groups))

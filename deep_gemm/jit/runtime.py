@@ -7,14 +7,13 @@ which is where TMA wants them.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 from typing import Optional
 
 import torch
 from cuda.bindings import driver as cu
 
-from ..utils import device_num_sms
+from ..utils import device_num_sms, env_flag
 from .compiler import compile_cubin
 from .params import ParamsStruct
 
@@ -102,6 +101,8 @@ class Kernel:
         self.smem_bytes = smem_bytes
         self.cluster_size = cluster_size
         self.cubin = compile_cubin(name, source)
+        # (what the source was built with, not the environment at load time, decides what to attach)
+        self.traced, self.timelined = _TRACE_DEFINE in source, _TIMELINE_DEFINE in source
         self._functions: dict[int, object] = {}
         self._configs: dict[tuple[int, int], cu.CUlaunchConfig] = {}
         self._max_resident: dict[int, int] = {}
@@ -113,10 +114,10 @@ class Kernel:
             fn = check(cu.cuModuleGetFunction(module, self.entry.encode()))
             check(cu.cuFuncSetAttribute(
                 fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_bytes))
-            if trace_enabled():
-                _attach_trace(module)
-            if timeline_enabled():
-                _attach_timeline(module, device)
+            if self.traced:  # pinned memory is device-addressable (UVA)
+                _set_device_pointer(module, b"dg_trace", trace_buffer().data_ptr())
+            if self.timelined:
+                _set_device_pointer(module, b"dg_timeline", timeline_buffer(device).data_ptr())
             self._functions[device] = fn
         return fn
 
@@ -167,9 +168,12 @@ class Kernel:
         check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(arg_ptrs), 0))
 
 
+_TRACE_DEFINE, _TIMELINE_DEFINE = "#define DG_DEBUG_TRACE\n", "#define DG_TIMELINE\n"
+
+
 def trace_enabled() -> bool:
     """DG_JIT_DEBUG_TRACE=1 builds kernels with DG_TRACE checkpoints (see ptx/trace.cuh)."""
-    return os.environ.get("DG_JIT_DEBUG_TRACE", "0") not in ("", "0")
+    return env_flag("DG_JIT_DEBUG_TRACE")
 
 
 _trace: Optional[torch.Tensor] = None
@@ -183,16 +187,17 @@ def trace_buffer() -> torch.Tensor:
     return _trace
 
 
-def _attach_trace(module) -> None:
-    address, _ = check(cu.cuModuleGetGlobal(module, b"dg_trace"))
-    pointer = ctypes.c_uint64(trace_buffer().data_ptr())  # pinned memory is device-addressable (UVA)
-    check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
+def _set_device_pointer(module, symbol: bytes, pointer: int) -> None:
+    """Sets the module's `__device__` pointer `symbol` to `pointer`."""
+    address, _ = check(cu.cuModuleGetGlobal(module, symbol))
+    value = ctypes.c_uint64(pointer)
+    check(cu.cuMemcpyHtoD(address, ctypes.addressof(value), 8))
 
 
 def timeline_enabled() -> bool:
     """DG_JIT_TIMELINE=1 builds kernels that record per-tile clocks (see ptx/trace.cuh and
     scripts/timeline.py)."""
-    return os.environ.get("DG_JIT_TIMELINE", "0") not in ("", "0")
+    return env_flag("DG_JIT_TIMELINE")
 
 
 # ptx/trace.cuh's timeline::kCtas, kTracks, kRecords: int64 (clock, event << 24 | tag) pairs
@@ -210,12 +215,6 @@ def timeline_buffer(device: int) -> torch.Tensor:
     if device not in _timelines:
         _timelines[device] = torch.zeros(TIMELINE_SHAPE, dtype=torch.int64, device=f"cuda:{device}")
     return _timelines[device]
-
-
-def _attach_timeline(module, device: int) -> None:
-    address, _ = check(cu.cuModuleGetGlobal(module, b"dg_timeline"))
-    pointer = ctypes.c_uint64(timeline_buffer(device).data_ptr())
-    check(cu.cuMemcpyHtoD(address, ctypes.addressof(pointer), 8))
 
 
 _kernels: dict[tuple[str, str], Kernel] = {}
@@ -241,8 +240,8 @@ def build_kernel(header: str, entry: str, kernel_type: str, params: ParamsStruct
     `min_blocks_per_sm` is `__launch_bounds__`' second argument: ptxas caps the registers so that
     that many CTAs fit on an SM."""
     source = (
-        ("#define DG_DEBUG_TRACE\n" if trace_enabled() else "") +
-        ("#define DG_TIMELINE\n" if timeline_enabled() else "") +
+        (_TRACE_DEFINE if trace_enabled() else "") +
+        (_TIMELINE_DEFINE if timeline_enabled() else "") +
         "#include <cstddef>\n"
         f"#include <deep_gemm/impls/{header}>\n\n"
         f"using Kernel = {kernel_type};\n"

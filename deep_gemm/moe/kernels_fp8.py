@@ -9,7 +9,7 @@ import torch
 
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
-from ..quant.kernels import MAX_GROUPS, empty_fp8_columns, empty_fp8_rows
+from ..quant.kernels import MAX_ELEMENTS, MAX_GROUPS, empty_fp8_columns, empty_fp8_rows
 from ..quant.reference import BLOCK, Fp8Columns, Fp8Rows
 from ..utils import check_cuda_devices, check_tensor
 from .layout import RoutingLayout
@@ -61,7 +61,7 @@ def moe_swiglu_bwd_fp8(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayo
     num_groups = layout.offsets.numel() - 1
     if not 1 <= num_groups <= MAX_GROUPS:
         raise ValueError(f"the FP8 SwiGLU backward takes 1 to {MAX_GROUPS} experts, got {num_groups}")
-    if h.numel() >= 2**31:
+    if h.numel() >= MAX_ELEMENTS:
         raise ValueError(f"h has {h.numel()} elements: the kernel indexes rows with 32-bit counts")
     device = check_cuda_devices(h=h, d_act=d_act, offsets=layout.offsets, row_weight=layout.row_weight).index
     dz_rows = empty_fp8_rows(rows, 2 * inter, h.device)

@@ -65,7 +65,7 @@ def _launch(name: str, power_of_two_scales: bool, device: int, num_tiles: int, *
 def _check_rows(x: torch.Tensor) -> None:
     check_tensor("x", x, torch.bfloat16, 2)
     check_multiple("K (x.shape[1])", x.shape[1], BLOCK)
-    if x.numel() >= 2**31:
+    if x.numel() >= MAX_ELEMENTS:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
@@ -133,7 +133,7 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
         raise ValueError(f"the column quantization takes 1 to {MAX_GROUPS} groups, got {num_groups}")
     if row_index is not None:
         check_tensor("row_index", row_index, torch.int64, 1)
-        if row_index.numel() * data.shape[1] >= 2**31:
+        if row_index.numel() * data.shape[1] >= MAX_ELEMENTS:
             raise ValueError(f"row_index picks {row_index.numel()} rows of {data.shape[1]}: the kernels index rows "
                              f"with 32-bit counts")
     if not data.is_cuda:
@@ -169,7 +169,7 @@ def _check_fp8_rows(x: Fp8Rows) -> None:
     check_tensor("x.data", x.data, torch.float8_e4m3fn, 2)
     m, k = x.data.shape
     check_multiple("K (x.data.shape[1])", k, BLOCK)
-    if x.data.numel() >= 2**31:
+    if x.data.numel() >= MAX_ELEMENTS:
         raise ValueError(f"x has {x.data.numel()} elements: the kernels index rows with 32-bit counts")
     scales = x.scales
     if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != (m, k // BLOCK)
