@@ -109,13 +109,13 @@ struct MoESwiGLUBwdFp8 {
                     for (uint32_t t = 0; t < 3; ++t)
                         ptx::st_shared_v4(tiles[t].tile + TileRegs::smem_offset(i), piece[t]);
                 }
-                const uint64_t col = static_cast<uint64_t>(block) * kTile, mp = p.mp;
-                float* dz_col_scales = p.dz_scales_t + block * h_ld + kb * kTile;
-                store_smem_columns_fp8<ScaleRule>(tiles[0], p.dz_qt + kb * kTile * mp + col, mp, dz_col_scales);
-                store_smem_columns_fp8<ScaleRule>(tiles[1], p.dz_qt + (p.inter + kb * kTile) * mp + col, mp,
-                                                  dz_col_scales + p.inter);
-                store_smem_columns_fp8<ScaleRule>(tiles[2], p.act_qt + kb * kTile * mp + col, mp,
-                                                  p.act_scales_t + static_cast<uint64_t>(block) * p.inter + kb * kTile);
+                // tiles 0 and 1: dz's gate and up halves (columns kb and I / 128 + kb of dz); 2: act_weighted
+                store_smem_columns_fp8<ScaleRule, 3>(tiles, p.mp, [&](uint32_t t) {
+                    const uint64_t c = (t == 1 ? p.inter : 0) + kb * kTile;
+                    return t < 2 ? ColumnDst{p.dz_qt + c * p.mp + block * kTile, p.dz_scales_t + block * h_ld + c}
+                                 : ColumnDst{p.act_qt + c * p.mp + block * kTile,
+                                             p.act_scales_t + static_cast<uint64_t>(block) * p.inter + c};
+                });
             }
             // each row's sum over its 16 threads, in a fixed order (deterministic)
             #pragma unroll

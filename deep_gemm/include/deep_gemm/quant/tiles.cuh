@@ -112,15 +112,14 @@ struct ColumnPair {
             x[r] = *reinterpret_cast<const __nv_bfloat162*>(smem + (first_row() + r) * kTile + col());
     }
 
-    // amax over the kRows rows of each column: (column col(), column col() + 1).
+    // amax over the kRows rows of each column: (column col(), column col() + 1). In bf16 pairs (one
+    // max a pair, exact: the values are bf16; a NaN is passed over, as fmaxf does).
     __device__ __forceinline__ float2 amax() const {
-        float2 m = make_float2(0.0f, 0.0f);
+        __nv_bfloat162 m = __float2bfloat162_rn(0.0f);
         #pragma unroll
-        for (uint32_t r = 0; r < kRows; ++r) {
-            const float2 v = __bfloat1622float2(x[r]);
-            m.x = fmaxf(m.x, fabsf(v.x)), m.y = fmaxf(m.y, fabsf(v.y));
-        }
-        return m;
+        for (uint32_t r = 0; r < kRows; ++r)
+            m = __hmax2(m, __habs2(x[r]));
+        return __bfloat1622float2(m);
     }
 
     // Column `which` (0: col(), 1: col() + 1), its kRows values times `inv` (1 / scale) as e4m3,
@@ -176,19 +175,19 @@ struct ColumnSmem {
 };
 static_assert(sizeof(ColumnSmem) % 16 == 0, "arrays of them keep each tile 16-byte aligned for 16-byte copies");
 
-// The columns of the tile in smem.tile (written by any of the CTA's threads before the call)
-// quantized per 128 x 1 and transposed: column c to qt + c * ld (128 bytes), its scale to
-// scales[c]. Every thread of the CTA calls it; `smem` is free again when it returns.
-template <typename ScaleRule>
-__device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem& smem, uint8_t* qt, uint64_t ld, float* scales) {
-    __syncthreads();
-    ColumnPair cols;
-    cols.load(smem.tile);
-    const uint32_t quarter = threadIdx.x / 64;
+// A tile's column quantization in two halves, between which the CTA syncs: this thread's
+// columns' amax over its quarter of the rows, into smem.col_amax ...
+__device__ __forceinline__ void column_amax_to_smem(ColumnSmem& smem, const ColumnPair& cols) {
     const float2 mine = cols.amax();
-    smem.col_amax[quarter][ColumnPair::col()] = mine.x;
-    smem.col_amax[quarter][ColumnPair::col() + 1] = mine.y;
-    __syncthreads();
+    smem.col_amax[threadIdx.x / 64][ColumnPair::col()] = mine.x;
+    smem.col_amax[threadIdx.x / 64][ColumnPair::col() + 1] = mine.y;
+}
+
+// ... then the quarters' amax combined, and the columns quantized: column c to qt + c * ld (128
+// bytes), its scale to scales[c].
+template <typename ScaleRule>
+__device__ __forceinline__ void store_columns_with_amax(const ColumnSmem& smem, const ColumnPair& cols, uint8_t* qt,
+                                                        uint64_t ld, float* scales) {
     float amax[2] = {0.0f, 0.0f};
     #pragma unroll
     for (uint32_t j = 0; j < kNumThreads / 64; ++j)
@@ -198,17 +197,48 @@ __device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem& smem, uint8_t
     const uint32_t c = ColumnPair::col();
     cols.store_fp8(0, __frcp_rn(scale[0]), qt + static_cast<uint64_t>(c) * ld + ColumnPair::first_row());
     cols.store_fp8(1, __frcp_rn(scale[1]), qt + static_cast<uint64_t>(c + 1) * ld + ColumnPair::first_row());
-    if (quarter == 0)
+    if (threadIdx.x / 64 == 0)
         *reinterpret_cast<float2*>(scales + c) = make_float2(scale[0], scale[1]);
-    __syncthreads();  // smem is free for the next tile
 }
 
-// The tile's columns quantized per 128 x 1 and transposed, through smem (store_smem_columns_fp8).
+// Where a tile's transposed column copy goes: column c to qt + c * ld, its scale to scales[c].
+struct ColumnDst {
+    uint8_t* qt;
+    float* scales;
+};
+
+// The columns of the kNum tiles in tiles[t].tile (written by any of the CTA's threads before the
+// call) quantized per 128 x 1 and transposed, to dst(t) (a ColumnDst; 128 bytes a column). Three
+// CTA barriers however many tiles: each tile but the last is read from shared memory twice (for
+// its amax, then to store it) rather than synced over three times each. Every thread of the CTA
+// calls it; the tiles are free again when it returns.
+template <typename ScaleRule, uint32_t kNum, typename Dst>
+__device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem* tiles, uint64_t ld, const Dst& dst) {
+    __syncthreads();
+    ColumnPair cols;
+    #pragma unroll
+    for (uint32_t t = 0; t < kNum; ++t) {
+        cols.load(tiles[t].tile);
+        column_amax_to_smem(tiles[t], cols);
+    }
+    __syncthreads();
+    #pragma unroll
+    for (uint32_t t = kNum; t-- > 0;) {  // (the last tile's columns are still in registers)
+        if (t + 1 < kNum)
+            cols.load(tiles[t].tile);
+        const ColumnDst d = dst(t);
+        store_columns_with_amax<ScaleRule>(tiles[t], cols, d.qt, ld, d.scales);
+    }
+    __syncthreads();  // the tiles are free for the next ones
+}
+
+// The tile's columns quantized per 128 x 1 and transposed, through smem (store_smem_columns_fp8):
+// column c to qt + c * ld, its scale to scales[c].
 template <typename ScaleRule>
 __device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSmem& smem, uint8_t* qt, uint64_t ld,
                                                   float* scales) {
     regs.to_smem(smem.tile);
-    store_smem_columns_fp8<ScaleRule>(smem, qt, ld, scales);
+    store_smem_columns_fp8<ScaleRule, 1>(&smem, ld, [&](uint32_t) { return ColumnDst{qt, scales}; });
 }
 
 // padded[g] = sum over g' < g of group g' (rows offsets[g'] .. offsets[g' + 1], clamped to m) rounded
