@@ -88,8 +88,10 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
             forward = label.startswith("fwd")
             a_rows = max(rows // 8, 1) if label == "fwd1 gather" else rows
             inputs["a"] = fp8_quantize_rows(torch.randn(a_rows, k, device="cuda", dtype=torch.bfloat16))
-            inputs["index"] = torch.randint(0, a_rows, (rows,), device="cuda")
-            inputs["act"] = empty_fp8_rows(rows, n // 2, "cuda")
+            if label == "fwd1 gather":
+                inputs["index"] = torch.randint(0, a_rows, (rows,), device="cuda")
+            if label == "fwd1 swiglu":
+                inputs["act"] = empty_fp8_rows(rows, n // 2, "cuda")
             w = fp8_quantize_weights(torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda",
                                                  dtype=torch.bfloat16) / k**0.5)
             inputs["b"] = (w.data, w.scales) if forward else w.transposed_operand()
