@@ -47,10 +47,8 @@ struct GateUpColumns {
 // reach into the next group's rows).
 template <uint32_t BLOCK_N>
 constexpr uint32_t kTensorStoreStagingBytes =
-    ptx::ceil_div(StagedBF16<BLOCK_N>::kBytesPerWarpgroup > SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup
-                      ? StagedBF16<BLOCK_N>::kBytesPerWarpgroup
-                      : SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup,
-                  1024u) * 1024;
+    ptx::ceil_div(ptx::max_of(StagedBF16<BLOCK_N>::kBytesPerWarpgroup,
+                              SwizzledStaging<__nv_bfloat16>::kBytesPerWarpgroup), 1024u) * 1024;
 
 // D = acc in bf16, by tensor stores that overlap the warpgroup's next tile of MMAs. `Tma` is
 // the tensor store of a full 64-row share: in batches of chunks through two buffers
@@ -77,9 +75,7 @@ struct WholeTileTma {
 template <uint32_t BLOCK_N, typename Tma = ChunkedTma>
 struct BF16TensorStore {
     using Columns = ContiguousColumns;
-    static constexpr uint32_t kStagingBytes = kTensorStoreStagingBytes<BLOCK_N> > Tma::template kBytes<BLOCK_N>
-                                                  ? kTensorStoreStagingBytes<BLOCK_N>
-                                                  : Tma::template kBytes<BLOCK_N>;
+    static constexpr uint32_t kStagingBytes = ptx::max_of(kTensorStoreStagingBytes<BLOCK_N>, Tma::template kBytes<BLOCK_N>);
 
     template <typename Params>
     __device__ __forceinline__ static void prefetch(const Params& p) {
@@ -175,8 +171,7 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
     // by one batch of tensor stores (one fence, two barriers; docs/PERF.md, "Decisions":
     // whole-tile staging); a group's last rows leave as SwiGLUTensorStore's, the act from buffer 0.
     using Buffers = SwizzledStaging<__nv_bfloat16, BLOCK_N / 64 + 1>;
-    static constexpr uint32_t kStagingBytes =
-        Buffers::kBytesPerWarpgroup > Base::kStagingBytes ? Buffers::kBytesPerWarpgroup : Base::kStagingBytes;
+    static constexpr uint32_t kStagingBytes = ptx::max_of(Buffers::kBytesPerWarpgroup, Base::kStagingBytes);
     static_assert(BLOCK_N / 2 == SwizzledStaging<uint8_t>::kChunkN, "the tile's e4m3 act columns fill one buffer");
 
     template <typename Params>

@@ -101,6 +101,9 @@ __device__ __forceinline__ void cluster_sync() {
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 
+template <typename T>
+__host__ __device__ constexpr T max_of(T a, T b) { return a > b ? a : b; }
+
 // offsets[i] clamped into [lo, hi] (negative offsets read as 0): group boundaries read on the GPU
 // can never reach out of range, whatever the caller passed.
 __device__ __forceinline__ uint32_t clamped_offset(const int* offsets, uint32_t i, uint32_t lo, uint32_t hi) {
