@@ -19,6 +19,9 @@ checkout of the library on the same terms (an A/B: put this script in that check
 
     python scripts/bench_mega_moe.py [--models 30b,235b,v3] [--routing uniform,skewed] [--plot PATH]
 
+`--host` adds a line per implementation with the host's time to issue one fwd and one bwd (when
+it exceeds the GPU's, the GPU waits for the host); `--profile` prints our kernels' GPU times.
+
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
 (`ep_mega_moe_nvlink`: x and dy pulled by the copy engines while GEMM1 and dA's GEMM start on
@@ -156,6 +159,29 @@ def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
     return median(fwd), median(bwd), peak, peak_reserved
 
 
+def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """Median host milliseconds to issue one fwd and one bwd of `fn`, without a sync between
+    steps (as `time_fwd_bwd` runs them): when their sum exceeds the step's GPU time, the GPU
+    waits for the host."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        for t in leaves:
+            t.grad = None
+        start = time.perf_counter()
+        y = fn(*leaves)
+        issued_fwd = time.perf_counter()
+        y.backward(dy)
+        issued_bwd = time.perf_counter()
+        if i >= warmup:
+            fwd.append(issued_fwd - start)
+            bwd.append(issued_bwd - issued_fwd)
+        del y
+    torch.cuda.synchronize()
+    median = lambda values: sorted(values)[len(values) // 2] * 1e3  # noqa: E731
+    return median(fwd), median(bwd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="30b,235b,v3")
@@ -164,6 +190,8 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, default=1, help="expert parallelism over this many GPUs")
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default: the model's)")
     parser.add_argument("--profile", action="store_true", help="also print ours' GPU time per kernel (one fwd+bwd)")
+    parser.add_argument("--host", action="store_true", help="also print each implementation's host time to issue "
+                        "one fwd and one bwd (one GPU)")
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
     parser.add_argument("--no-fp8", action="store_true", help="leave our FP8 layer out (one GPU; with --num-processes "
                         "use --impls)")
@@ -207,6 +235,10 @@ def main() -> None:
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
+                if args.host:
+                    host_fwd, host_bwd = host_issue_ms(fn, inputs, p["dy"])
+                    print(f"{'':<5} {'':<7} {name + ' (host)':<21} {host_fwd:>8.2f} {host_bwd:>8.2f} "
+                          f"{host_fwd + host_bwd:>8.2f}", flush=True)
             if args.profile:
                 profile(mega_moe, inputs, p["dy"], f"{model} {routing}")
             del p, inputs
