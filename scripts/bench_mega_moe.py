@@ -130,56 +130,55 @@ def print_gpu_gaps(prof, top: int = 8) -> None:
         print(f"  {length / 1e3:6.3f} ms at {at / 1e3:7.3f} ms: after {before[:50]}, before {after[:50]}")
 
 
+def _fwd_bwd_steps(fn, inputs, dy, iters: int, warmup: int, mark) -> list[tuple]:
+    """`warmup + iters` fwd+bwd steps of `fn` with no sync between them (gradients created, not
+    accumulated); `mark()` is taken before the fwd, between and after the bwd. Returns the timed
+    steps' three marks each, after a final sync."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    steps = []
+    for i in range(warmup + iters):
+        for t in leaves:
+            t.grad = None
+        start = mark()
+        y = fn(*leaves)
+        issued_fwd = mark()
+        y.backward(dy)
+        steps.append((start, issued_fwd, mark()))
+        del y
+    torch.cuda.synchronize()
+    return steps[warmup:]
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
     """Median fwd ms, median bwd ms, peak allocated and peak reserved bytes above the inputs."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.empty_cache()  # blocks cached by an earlier impl would hide this one's reservations
     base_reserved = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    fwd, bwd = [], []
-    for i in range(warmup + iters):
-        for t in leaves:
-            t.grad = None
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-        y = fn(*leaves)
-        events[1].record()
-        y.backward(dy)
-        events[2].record()
-        if i >= warmup:
-            fwd.append(events[:2])
-            bwd.append(events[1:])
-        del y
-    torch.cuda.synchronize()
+    steps = _fwd_bwd_steps(fn, inputs, dy, iters, warmup, _recorded_event)
     peak = torch.cuda.max_memory_allocated() - base
     peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
-    median = lambda pairs: sorted(a.elapsed_time(b) for a, b in pairs)[len(pairs) // 2]  # noqa: E731
-    return median(fwd), median(bwd), peak, peak_reserved
+    return (_median(a.elapsed_time(b) for a, b, _ in steps), _median(b.elapsed_time(c) for _, b, c in steps),
+            peak, peak_reserved)
 
 
 def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[float, float]:
-    """Median host milliseconds to issue one fwd and one bwd of `fn`, without a sync between
-    steps (as `time_fwd_bwd` runs them): when their sum exceeds the step's GPU time, the GPU
-    waits for the host."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    fwd, bwd = [], []
-    for i in range(warmup + iters):
-        for t in leaves:
-            t.grad = None
-        start = time.perf_counter()
-        y = fn(*leaves)
-        issued_fwd = time.perf_counter()
-        y.backward(dy)
-        issued_bwd = time.perf_counter()
-        if i >= warmup:
-            fwd.append(issued_fwd - start)
-            bwd.append(issued_bwd - issued_fwd)
-        del y
-    torch.cuda.synchronize()
-    median = lambda values: sorted(values)[len(values) // 2] * 1e3  # noqa: E731
-    return median(fwd), median(bwd)
+    """Median host milliseconds to issue one fwd and one bwd of `fn`, stepped as `time_fwd_bwd`
+    steps it: when their sum exceeds the step's GPU time, the GPU waits for the host."""
+    steps = _fwd_bwd_steps(fn, inputs, dy, iters, warmup, time.perf_counter)
+    return _median((b - a) * 1e3 for a, b, _ in steps), _median((c - b) * 1e3 for _, b, c in steps)
 
 
 def main() -> None:
