@@ -14,7 +14,7 @@ token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quan
 loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
 (`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
 and w * act as columns (dl2's); the combine is bf16 as above. The weights' FP8 copies are the
-forward's (`fp8_weights`: the data gradients read their transposed halves).
+forward's (the handle's `dgrad_weights`: their transposed halves).
 """
 from __future__ import annotations
 
@@ -208,11 +208,11 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     kernels.get_kernel("moe_combine")
 
 
-def fp8_data_gradient(rows, weights, out: torch.Tensor, offsets: torch.Tensor,
+def fp8_data_gradient(rows, weights_t: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, offsets: torch.Tensor,
                       **gemm_args) -> torch.Tensor:
-    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and the `Fp8Weights` of w ``[E, N, K]``;
-    `gemm_args` go to the GEMM (row gathers, passes)."""
-    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), weights.transposed_operand(), out, offsets, **gemm_args)
+    """``out[rows of e] = rows @ w[e]`` for FP8 `rows` and w ``[E, N, K]`` as
+    `Fp8Weights.transposed_operand()` gives it; `gemm_args` go to the GEMM (row gathers, passes)."""
+    m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), weights_t, out, offsets, **gemm_args)
     return out
 
 
@@ -222,11 +222,12 @@ def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_c
     pass (`moe_swiglu_bwd_fp8` on h ``[T * K, 2I]`` and `d_act` ``[T * K, I]``, bf16), then ``dl2
     (+)= dy^T @ (w * act)`` on `dy_cols` (dy's per-expert `Fp8Columns` of the layout's offsets).
     Returns ``(dz_rows Fp8Rows [T * K, 2I], dz_cols Fp8Columns, row_dw [T * K] fp32)``. No bf16 dz
-    is written, so h is not overwritten: a consumed handle's h is just released (None)."""
+    is written, so h is not overwritten: a consumed handle's h (and its weights' copies) are just
+    released (None)."""
     layout = handle.layout
     dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(handle.h, d_act, layout)
     if not keep_handle:
-        handle.h = None
+        handle.h = handle.dgrad_weights = None
     k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
     return dz_rows, dz_cols, row_dw
@@ -248,7 +249,8 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     offsets, inter = layout.offsets, l2.shape[2]
     if dy.is_cuda:
         build_fp8_kernels(grads)
-    w1, w2 = fp8_weights(l1), fp8_weights(l2)
+    # (a handle made without the forward's copies reads the cached ones)
+    w1, w2 = handle.dgrad_weights or (fp8_weights(l1).transposed_operand(), fp8_weights(l2).transposed_operand())
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     # dy quantized per token as rows (dA's GEMM gathers them: T rows written, not T * K) and, from
     # its routed rows gathered by the loads, per expert as columns (dl2's)

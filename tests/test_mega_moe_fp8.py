@@ -139,16 +139,48 @@ def test_autograd_layer_in_fp8_is_the_direct_calls():
 
 
 @requires_sm90
-def test_the_fp8_layer_captures_into_a_cuda_graph():
+def test_the_fp8_layer_captures_into_a_cuda_graph(monkeypatch):
     """No host sync on the FP8 path: forward and backward capture into one CUDA graph (the
-    weights are quantized inside it: `fp8_weights` bypasses its cache under capture), and the
-    replay gives the eager step's outputs bit for bit."""
+    weights are quantized inside it, once each: `fp8_weights` bypasses its cache under capture and
+    the backward reads the forward's copies), and the replay gives the eager step's outputs bit
+    for bit."""
+    from deep_gemm.moe import fp8 as moe_fp8
     from deep_gemm.testing import eager_and_graph_replay
+    quantized = []
+
+    def counted(w, **kwargs):
+        quantized.append(torch.cuda.is_current_stream_capturing())
+        return fp8_quantize_weights(w, **kwargs)
+
+    fp8_quantize_weights = moe_fp8.fp8_quantize_weights
+    monkeypatch.setattr(moe_fp8, "fp8_quantize_weights", counted)
     p = make_moe_inputs(256, 256, 256, 8, 4, device="cuda", routing="skewed", empty_slot_frac=0.1, seed=5)
     args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
     eager, captured = eager_and_graph_replay(lambda: _gpu_layer(*args))
     for name, a, b in zip(OUTPUTS, eager, captured):
         assert torch.equal(a, b), name
+    assert quantized.count(True) == 2, quantized  # l1 and l2, in the captured step
+
+
+def test_the_backward_multiplies_by_the_forward_weight_copies(emulated_gemms):
+    """The handle keeps the forward's FP8 copies: weights changed after the forward (which would
+    renew the cache) do not change dx, as autograd's gradient of the forward's weights."""
+    p = make_moe_inputs(100, 256, 128, 8, 4, seed=7)
+    x, topk_idx, topk_weights, l1, l2, dy = (p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy"))
+
+    def dx(change_weights: bool) -> torch.Tensor:
+        layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
+        w1, w2 = fp8_weights(l1), fp8_weights(l2)
+        h = fp8_moe_forward(x, layout, topk_weights, w1, w2, torch.empty_like(x))
+        handle = MegaMoEHandle(layout, x, h, recipe="fp8", dgrad_weights=(w1.transposed_operand(),
+                                                                         w2.transposed_operand()))
+        if change_weights:
+            with torch.no_grad():
+                l1.mul_(2), l2.mul_(2)
+        return mega_moe_backward(dy, l1, l2, handle)[0]
+
+    before = dx(False)
+    assert torch.equal(dx(True), before)
 
 
 @requires_sm90

@@ -30,12 +30,18 @@ class MegaMoEHandle:
     output is recomputed from `h` in the backward.
     `mega_moe_backward` consumes the handle (it overwrites `h` with its gradient and sets it to
     None) unless called with ``keep_handle=True``.
+
+    With recipe "fp8" (`deep_gemm.fp8_mega_moe`), `dgrad_weights` holds the forward's FP8 copies
+    of l1 and l2 as the data gradients read them (each `Fp8Weights.transposed_operand()`): the
+    backward multiplies by the weights the forward used and quantizes none again (under CUDA-graph
+    capture, where the copies are not cached, the weights are quantized once a step, not twice).
     """
 
     layout: RoutingLayout
     x: torch.Tensor
     h: Optional[torch.Tensor]
     recipe: str = "bf16"  # "bf16", or "fp8" from `deep_gemm.fp8_mega_moe` (the backward follows it)
+    dgrad_weights: Optional[tuple] = None  # recipe "fp8": ((l1's data_t, scales_t), (l2's ...)) or None
 
 
 def check_moe_inputs(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

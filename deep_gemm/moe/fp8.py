@@ -104,5 +104,9 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     check_fp8_sizes(x, topk_idx, l1)
     x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "fp8_mega_moe",
                                    FP8_DIM_MULTIPLE)
-    h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), y)
-    return y, (MegaMoEHandle(layout=layout, x=x, h=h, recipe="fp8") if training else None)
+    w1, w2 = fp8_weights(l1), fp8_weights(l2)
+    h = fp8_moe_forward(x, layout, topk_weights, w1, w2, y)
+    if not training:
+        return y, None
+    return y, MegaMoEHandle(layout=layout, x=x, h=h, recipe="fp8",
+                            dgrad_weights=(w1.transposed_operand(), w2.transposed_operand()))

@@ -92,6 +92,8 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             y = gather_partials(rows, layout, local_weights, buffer, x.new_empty(x.shape))
             del rows
             ctx.buffer, ctx.weights_dtype, ctx.fp8 = buffer, topk_weights.dtype, fp8
+            # (FP8: the data gradients multiply by the forward's weight copies, quantized once a step)
+            ctx.dgrad_weights = tuple(w.transposed_operand() for w in weights_fp8) if fp8 else None
             saved_x = (recv_x.data, recv_x.scales) if fp8 else (recv_x,)
             ctx.save_for_backward(l1, l2, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
                                   layout.slot_row, layout.slot_valid, *saved_x)
@@ -118,8 +120,9 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             if ctx.fp8:
                 recv_x = Fp8Rows(*saved_x)
                 recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
-                dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2, layout, arrival, grads)
-                dx_gemm, dz_operand, l1_operand = m_grouped_fp8_gemm_nt_contiguous, dz, fp8_weights(l1).transposed_operand()
+                l1_operand, l2_operand = ctx.dgrad_weights
+                dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2_operand, layout, arrival, grads)
+                dx_gemm, dz_operand = m_grouped_fp8_gemm_nt_contiguous, dz
             else:
                 (recv_x,) = saved_x
                 recv_dy, arrival = pull_tokens(dy, buffer, "dy", run_offsets)
@@ -169,14 +172,15 @@ def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layo
     return h, (act.data, act.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
 
 
-def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2: torch.Tensor, layout: RoutingLayout,
-                       arrival, grads):
-    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows, then the single-GPU
-    steps (the SwiGLU backward writing dz quantized, dl2); returns (dz's FP8 rows, row_dw, dl1's
-    GEMM to run beside dx's)."""
-    d_act = h.new_empty(layout.num_slots, l2.shape[2])
+def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2_t: tuple[torch.Tensor, torch.Tensor],
+                       layout: RoutingLayout, arrival, grads):
+    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows (`l2_t`: the forward's
+    copy of l2 as `Fp8Weights.transposed_operand()` gives it), then the single-GPU steps (the
+    SwiGLU backward writing dz quantized, dl2); returns (dz's FP8 rows, row_dw, dl1's GEMM to run
+    beside dx's)."""
+    d_act = h.new_empty(layout.num_slots, l2_t[0].shape[1])
     try:  # dA's GEMM gathers dy's rows pass by pass as they land
-        fp8_data_gradient(recv_dy, fp8_weights(l2), d_act, arrival.run_offsets, a_row_index=layout.row_token,
+        fp8_data_gradient(recv_dy, l2_t, d_act, arrival.run_offsets, a_row_index=layout.row_token,
                           num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
     finally:
         arrival.join()
