@@ -11,12 +11,30 @@ from .backward import mega_moe_backward
 Tensor = torch.Tensor
 
 
+def _fp8_copy_shapes(l1: torch.Tensor, fp8: bool) -> list[tuple[tuple, torch.dtype]]:
+    """Shapes and dtypes of the forward op's last four outputs: in FP8 the forward's copies of l1
+    and l2 as the data gradients read them (each `Fp8Weights`' data_t and its scales
+    ``[E, N / 128, K / 128]``), else four empty tensors."""
+    num_experts, two_inter, hidden = l1.shape
+    inter, e4m3 = two_inter // 2, torch.float8_e4m3fn
+    if not fp8:
+        return [((0,), e4m3), ((0,), torch.float32)] * 2
+    return [((num_experts, hidden, two_inter), e4m3), ((num_experts, two_inter // 128, hidden // 128), torch.float32),
+            ((num_experts, inter, hidden), e4m3), ((num_experts, hidden // 128, inter // 128), torch.float32)]
+
+
 @torch.library.custom_op("megamoe::forward", mutates_args=(), device_types="cuda")
 def _forward_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                l2: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                              Tensor, Tensor, Tensor, Tensor]:
     y, handle = (fp8_mega_moe if fp8 else bf16_mega_moe)(x, topk_idx, topk_weights, l1, l2, training=True)
     layout = handle.layout
-    return (y, handle.h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row, layout.slot_valid)
+    if fp8:  # (aliases of the cached copies, not the cache's own tensor objects)
+        copies = [t.detach() for (data_t, scales_t) in handle.dgrad_weights for t in (data_t, scales_t.transpose(1, 2))]
+    else:
+        copies = [x.new_empty(shape, dtype=dtype) for shape, dtype in _fp8_copy_shapes(l1, False)]
+    return (y, handle.h, layout.offsets, layout.row_token, layout.row_weight, layout.slot_row, layout.slot_valid,
+            *copies)
 
 
 @_forward_op.register_fake
@@ -26,21 +44,26 @@ def _(x, topk_idx, topk_weights, l1, l2, fp8=False):
     return (x.new_empty(num_tokens, hidden), x.new_empty(num_slots, two_inter),
             x.new_empty(num_experts + 1, dtype=torch.int32), x.new_empty(num_slots, dtype=torch.int64),
             x.new_empty(num_slots, dtype=torch.float32), topk_idx.new_empty(topk_idx.shape),
-            topk_idx.new_empty(topk_idx.shape, dtype=torch.bool))
+            topk_idx.new_empty(topk_idx.shape, dtype=torch.bool),
+            *(x.new_empty(shape, dtype=dtype) for shape, dtype in _fp8_copy_shapes(l1, fp8)))
 
 
 @torch.library.custom_op("megamoe::backward", mutates_args=("h",), device_types="cuda")
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, h: torch.Tensor,
                  offsets: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, slot_row: torch.Tensor,
-                 slot_valid: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 slot_valid: torch.Tensor, l1_data_t: torch.Tensor, l1_scales: torch.Tensor, l2_data_t: torch.Tensor,
+                 l2_scales: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # (FP8: the data gradients multiply by the forward's weight copies, quantized once a step)
+    dgrad_weights = ((l1_data_t, l1_scales.transpose(1, 2)), (l2_data_t, l2_scales.transpose(1, 2))) if fp8 else None
     handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), x, h,
-                           recipe="fp8" if fp8 else "bf16")
+                           recipe="fp8" if fp8 else "bf16", dgrad_weights=dgrad_weights)
     # Gradients take the parameters' dtype (autograd would cast them to it anyway).
     return mega_moe_backward(dy.contiguous(), l1, l2, handle, weight_grad_dtype=l1.dtype)
 
 
 @_backward_op.register_fake
-def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, fp8=False):
+def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, l1_data_t, l1_scales, l2_data_t,
+      l2_scales, fp8=False):
     return (torch.empty_like(x), slot_row.new_empty(slot_row.shape, dtype=torch.float32), torch.empty_like(l1),
             torch.empty_like(l2))
 

@@ -162,6 +162,34 @@ def test_the_fp8_layer_captures_into_a_cuda_graph(monkeypatch):
     assert quantized.count(True) == 2, quantized  # l1 and l2, in the captured step
 
 
+@requires_sm90
+def test_a_captured_autograd_step_quantizes_each_weight_once(monkeypatch):
+    """`megamoe_bwd.mega_moe(..., fp8=True)` and its backward captured into one CUDA graph: the
+    backward op gets the forward's weight copies through the forward op's outputs."""
+    from deep_gemm.moe import fp8 as moe_fp8
+    from deep_gemm.testing import eager_and_graph_replay
+    from megamoe_bwd import mega_moe
+    quantized = []
+    fp8_quantize_weights = moe_fp8.fp8_quantize_weights
+    monkeypatch.setattr(moe_fp8, "fp8_quantize_weights",
+                        lambda w, **kw: quantized.append(torch.cuda.is_current_stream_capturing())
+                        or fp8_quantize_weights(w, **kw))
+    p = make_moe_inputs(256, 256, 256, 8, 4, device="cuda", seed=8)
+    leaves = [p[n].detach().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        y = mega_moe(*leaves, fp8=True)
+        y.backward(p["dy"])
+        return [y] + [t.grad for t in leaves if t.requires_grad]
+
+    eager, captured = eager_and_graph_replay(step)
+    for name, a, b in zip(OUTPUTS, eager, captured):
+        assert torch.equal(a, b), name
+    assert quantized.count(True) == 2, quantized
+
+
 def test_the_backward_multiplies_by_the_forward_weight_copies(emulated_gemms):
     """The handle keeps the forward's FP8 copies: weights changed after the forward (which would
     renew the cache) do not change dx, as autograd's gradient of the forward's weights."""
