@@ -182,7 +182,9 @@ def test_a_captured_autograd_step_quantizes_each_weight_once(monkeypatch):
             t.grad = None
         y = mega_moe(*leaves, fp8=True)
         y.backward(p["dy"])
-        return [y] + [t.grad for t in leaves if t.requires_grad]
+        # (y detached: its graph would keep the leaves' gradient accumulators, made on the eager
+        # step's stream, into the capture)
+        return [y.detach()] + [t.grad for t in leaves if t.requires_grad]
 
     eager, captured = eager_and_graph_replay(step)
     for name, a, b in zip(OUTPUTS, eager, captured):
