@@ -13,8 +13,9 @@ In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy is qu
 token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quantization's
 loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
 (`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
-and w * act as columns (dl2's); the combine is bf16 as above. The weights' FP8 copies are the
-forward's (the handle's `dgrad_weights`: their transposed halves).
+and w * act as columns (dl2's); dl1 runs before dx's GEMM, on the same stream; the combine is
+bf16 as above. The weights' FP8 copies are the forward's (the handle's `dgrad_weights`: their
+transposed halves).
 """
 from __future__ import annotations
 
@@ -37,12 +38,28 @@ WEIGHT_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass
 class WeightGrads:
-    """Where dl1 ``[E, 2I, H]`` and dl2 ``[E, H, I]`` go, and whether they are added to."""
+    """Where dl1 ``[E, 2I, H]`` and dl2 ``[E, H, I]`` go, and whether they are added to: the
+    caller's tensors, or new ones of `dtype` that `get_dl1` / `get_dl2` allocate at first call, on
+    the current stream, so that a new gradient is not alive through the backward's steps before
+    its GEMM (less peak memory)."""
 
-    dl1: torch.Tensor
-    dl2: torch.Tensor
+    like1: torch.Tensor  # (l1 and l2: the shapes and device)
+    like2: torch.Tensor
+    dtype: torch.dtype
+    dl1: Optional[torch.Tensor]
+    dl2: Optional[torch.Tensor]
     accumulate_dl1: bool
     accumulate_dl2: bool
+
+    def get_dl1(self) -> torch.Tensor:
+        if self.dl1 is None:
+            self.dl1 = torch.empty(self.like1.shape, dtype=self.dtype, device=self.like1.device)
+        return self.dl1
+
+    def get_dl2(self) -> torch.Tensor:
+        if self.dl2 is None:
+            self.dl2 = torch.empty(self.like2.shape, dtype=self.dtype, device=self.like2.device)
+        return self.dl2
 
 
 def _check_weight(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -89,12 +106,13 @@ def check_backward_args(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, ha
 
 def weight_grads(l1: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype, dl1: Optional[torch.Tensor] = None,
                  dl2: Optional[torch.Tensor] = None) -> WeightGrads:
-    """New gradients of `dtype`, or the given ones to accumulate into."""
-    def grad(given, like):
-        return (given, True) if given is not None else (torch.empty(like.shape, dtype=dtype, device=like.device), False)
+    """New gradients of `dtype` (allocated at their GEMMs), or the given ones to accumulate into."""
+    return WeightGrads(l1, l2, dtype, dl1, dl2, dl1 is not None, dl2 is not None)
 
-    (g1, acc1), (g2, acc2) = grad(dl1, l1), grad(dl2, l2)
-    return WeightGrads(g1, g2, acc1, acc2)
+
+def _dtype(grad: Optional[torch.Tensor], grads: WeightGrads) -> torch.dtype:
+    """A weight gradient's dtype, allocated or not."""
+    return grads.dtype if grad is None else grad.dtype
 
 
 def build_kernels(l1: torch.Tensor, l2: torch.Tensor, grads: WeightGrads) -> None:
@@ -103,8 +121,8 @@ def build_kernels(l1: torch.Tensor, l2: torch.Tensor, grads: WeightGrads) -> Non
     (two_inter, hidden), inter, device = l1.shape[1:], l2.shape[2], l1.device.index
     m_grouped_bf16.default_kernel(inter, True)  # dA
     m_grouped_bf16.default_kernel(hidden, True)  # dx's rows
-    k_grouped_bf16.default_kernel(hidden, inter, grads.dl2.dtype, grads.accumulate_dl2, device)
-    k_grouped_bf16.default_kernel(two_inter, hidden, grads.dl1.dtype, grads.accumulate_dl1, device)
+    k_grouped_bf16.default_kernel(hidden, inter, _dtype(grads.dl2, grads), grads.accumulate_dl2, device)
+    k_grouped_bf16.default_kernel(two_inter, hidden, _dtype(grads.dl1, grads), grads.accumulate_dl1, device)
     for name in ("moe_gather_rows", "moe_swiglu_bwd", "moe_combine"):
         kernels.get_kernel(name)
 
@@ -121,7 +139,8 @@ def swiglu_backward_and_dl2(handle: MegaMoEHandle, dy_rows: torch.Tensor, d_act:
     if not keep_handle:
         handle.h = None
         torch.autograd.graph.increment_version(h)
-    k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, grads.dl2, layout.offsets, accumulate=grads.accumulate_dl2)
+    k_grouped_bf16_gemm_tn_contiguous(dy_rows, act_weighted, grads.get_dl2(), layout.offsets,
+                                      accumulate=grads.accumulate_dl2)
     return dz, row_dw
 
 
@@ -139,7 +158,7 @@ def backward_to_dz(dy: torch.Tensor, l2: torch.Tensor, handle: MegaMoEHandle, gr
 def dl1_gemm(dz: torch.Tensor, x: torch.Tensor, layout: RoutingLayout, grads: WeightGrads) -> None:
     """``dl1 (+)= dz^T @ x[rows]``: x's routed rows copied first."""
     x_rows = moe_gather_rows_bf16(dense_rows(x), layout)
-    k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, grads.dl1, layout.offsets, accumulate=grads.accumulate_dl1)
+    k_grouped_bf16_gemm_tn_contiguous(dz, x_rows, grads.get_dl1(), layout.offsets, accumulate=grads.accumulate_dl1)
 
 
 def routing_weight_grad(row_dw: torch.Tensor, layout: RoutingLayout) -> torch.Tensor:
@@ -188,6 +207,7 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
     """Yields dx's routed rows ``[T * K, H] = dz @ l1[e]`` while dl1's GEMM runs on a side stream
     (faster than after it at the same peak memory: docs/PERF.md, "Decisions"); the block's end
     joins it."""
+    grads.get_dl1()  # (allocated on this stream, which the caller uses it on)
     with SideStream(dz.device) as side:
         side.run(lambda: dl1_gemm(dz, x, layout, grads))
         dx_rows = dz.new_empty(layout.num_slots, l1.shape[2])
@@ -198,11 +218,11 @@ def dx_rows_beside_dl1(dz: torch.Tensor, l1: torch.Tensor, x: torch.Tensor, layo
 def build_fp8_kernels(grads: WeightGrads) -> None:
     """Compiles (or reads from the disk cache) every kernel the FP8 backward launches, before it
     changes anything."""
-    for producer, n in ((m_grouped_fp8.FP8_GATHERED_ROWS, grads.dl2.shape[2]),  # dA (N = I), gathering dy's rows
-                        (m_grouped_fp8.FP8_TMA_ROWS, grads.dl1.shape[2])):  # dx (N = H)
+    for producer, n in ((m_grouped_fp8.FP8_GATHERED_ROWS, grads.like2.shape[2]),  # dA (N = I), gathering dy's rows
+                        (m_grouped_fp8.FP8_TMA_ROWS, grads.like1.shape[2])):  # dx (N = H)
         m_grouped_fp8.get_kernel(producer, m_grouped_fp8.get_config(n).block_n)
     for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
-        k_grouped_fp8.get_kernel(grad.dtype, accumulate)
+        k_grouped_fp8.get_kernel(_dtype(grad, grads), accumulate)
     quant_kernels.get_kernel("activations", False)
     moe_kernels_fp8.get_kernel(False)
     kernels.get_kernel("moe_combine")
@@ -228,7 +248,7 @@ def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_c
     dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(handle.h, d_act, layout)
     if not keep_handle:
         handle.h = handle.dgrad_weights = None
-    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.dl2,
+    k_grouped_fp8_gemm_tn_contiguous((dy_cols.data, dy_cols.scales), (act_cols.data, act_cols.scales), grads.get_dl2(),
                                      dy_cols.padded_offsets, accumulate=grads.accumulate_dl2)
     return dz_rows, dz_cols, row_dw
 
@@ -237,7 +257,7 @@ def fp8_dl1_gemm(dz_cols: Fp8Columns, x: torch.Tensor | Fp8Rows, layout: Routing
     """``dl1 (+)= dz^T @ x[rows]`` in FP8: x (bf16 tokens, or `Fp8Rows`) quantized per expert's
     columns, its routed rows gathered by the quantization's loads."""
     _, x_cols = fp8_quantize_columns(x, layout.offsets, row_index=layout.row_token)
-    k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.dl1,
+    k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.get_dl1(),
                                      dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 
 
@@ -262,10 +282,14 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     del dy_rows, dy_dense
     dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
     del dy_cols, d_act
-    with SideStream(dy.device) as side:
-        side.run(lambda: fp8_dl1_gemm(dz_cols, x, layout, grads))
-        dx_rows = fp8_data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
-        dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
+    # dl1 before dx's GEMM, on this stream: beside it on a side stream the two ran one after the
+    # other anyway (each grid fills the GPU), while x's and dz's columns stayed alive beside dx's
+    # rows (docs/PERF.md, "Decisions": the FP8 backward's dl1)
+    fp8_dl1_gemm(dz_cols, x, layout, grads)
+    del dz_cols
+    dx_rows = fp8_data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
+    del dz_rows
+    dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
     return dx, routing_weight_grad(row_dw, layout)
 
 
@@ -295,18 +319,19 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         dl2 [E, H, I])``.
 
     Every argument is checked, and every kernel built, before any work: a call that raises leaves
-    the handle and the caller's tensors as they were. dl2's GEMM runs before dx's rows are allocated, so that its
-    operands are freed first; dl1's runs on a side stream beside the dx GEMM and combine.
+    the handle and the caller's tensors as they were. New weight gradients are allocated at their GEMMs; dl2's GEMM
+    runs before dx's rows are allocated, so that its operands are freed first; dl1's runs on a side
+    stream beside the dx GEMM and combine in bf16, before the dx GEMM in FP8 (peak memory).
     """
     check_backward_args(dy, l1, l2, handle, weight_grad_dtype, dl1, dl2, keep_handle)
     layout, x = handle.layout, handle.x
     grads = weight_grads(l1, l2, weight_grad_dtype, dl1, dl2)
     if handle.recipe == "fp8":
         dx, dtopk_weights = fp8_mega_moe_backward(dy, l1, l2, handle, grads, keep_handle)
-        return dx, dtopk_weights, grads.dl1, grads.dl2
+        return dx, dtopk_weights, grads.get_dl1(), grads.get_dl2()
     if dy.is_cuda:
         build_kernels(l1, l2, grads)
     dz, row_dw = backward_to_dz(dy, l2, handle, grads, keep_handle)
     with dx_rows_beside_dl1(dz, l1, x, layout, grads) as dx_rows:
         dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
-    return dx, routing_weight_grad(row_dw, layout), grads.dl1, grads.dl2
+    return dx, routing_weight_grad(row_dw, layout), grads.get_dl1(), grads.get_dl2()

@@ -65,7 +65,7 @@ class _DeepEPMegaMoE(torch.autograd.Function):
             dx, dtopk, event = ctx.buffer.combine(d_recv_x, ctx.handle, topk_weights=routing_weight_grad(row_dw, layout),
                                                   async_finish=True)  # (records its tensors' streams)
         event.current_stream_wait()
-        return dx, None, dtopk.to(ctx.weights_dtype), grads.dl1, grads.dl2, None, None
+        return dx, None, dtopk.to(ctx.weights_dtype), grads.get_dl1(), grads.get_dl2(), None, None
 
 
 def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,

@@ -140,6 +140,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             del h
             d_recv_weights = routing_weight_grad(row_dw, layout)
             dx_rows = dy.new_empty(layout.num_slots, l1.shape[2])
+            grads.get_dl1()  # (on this stream, which returns it; its GEMM runs on the side stream)
             with SideStream(dy.device) as side:
                 def send(rows: torch.Tensor) -> None:
                     send_partials(rows, layout, None, buffer, dw=d_recv_weights)
@@ -154,7 +155,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             if world > 1:
                 from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
                 dtopk_weights = dtopk_weights + from_others.sum(0)
-            return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.dl1, grads.dl2, None, None
+            return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.get_dl1(), grads.get_dl2(), None, None
 
 
 def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
