@@ -52,14 +52,19 @@ class WeightGrads:
     accumulate_dl2: bool
 
     def get_dl1(self) -> torch.Tensor:
-        if self.dl1 is None:
-            self.dl1 = torch.empty(self.like1.shape, dtype=self.dtype, device=self.like1.device)
+        self.dl1 = self._given_or_new(self.dl1, self.like1)
         return self.dl1
 
     def get_dl2(self) -> torch.Tensor:
-        if self.dl2 is None:
-            self.dl2 = torch.empty(self.like2.shape, dtype=self.dtype, device=self.like2.device)
+        self.dl2 = self._given_or_new(self.dl2, self.like2)
         return self.dl2
+
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """dl1's and dl2's dtypes, allocated or not."""
+        return tuple(self.dtype if g is None else g.dtype for g in (self.dl1, self.dl2))
+
+    def _given_or_new(self, grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        return grad if grad is not None else torch.empty(like.shape, dtype=self.dtype, device=like.device)
 
 
 def _check_weight(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -110,19 +115,15 @@ def weight_grads(l1: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype, dl1: Op
     return WeightGrads(l1, l2, dtype, dl1, dl2, dl1 is not None, dl2 is not None)
 
 
-def _dtype(grad: Optional[torch.Tensor], grads: WeightGrads) -> torch.dtype:
-    """A weight gradient's dtype, allocated or not."""
-    return grads.dtype if grad is None else grad.dtype
-
-
 def build_kernels(l1: torch.Tensor, l2: torch.Tensor, grads: WeightGrads) -> None:
     """Compiles (or reads from the disk cache) every kernel the single-GPU backward launches, so
     that a failing build stops it before it changes the handle or the gradients."""
     (two_inter, hidden), inter, device = l1.shape[1:], l2.shape[2], l1.device.index
     m_grouped_bf16.default_kernel(inter, True)  # dA
     m_grouped_bf16.default_kernel(hidden, True)  # dx's rows
-    k_grouped_bf16.default_kernel(hidden, inter, _dtype(grads.dl2, grads), grads.accumulate_dl2, device)
-    k_grouped_bf16.default_kernel(two_inter, hidden, _dtype(grads.dl1, grads), grads.accumulate_dl1, device)
+    dtype1, dtype2 = grads.dtypes()
+    k_grouped_bf16.default_kernel(hidden, inter, dtype2, grads.accumulate_dl2, device)
+    k_grouped_bf16.default_kernel(two_inter, hidden, dtype1, grads.accumulate_dl1, device)
     for name in ("moe_gather_rows", "moe_swiglu_bwd", "moe_combine"):
         kernels.get_kernel(name)
 
@@ -221,8 +222,8 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
     for producer, n in ((m_grouped_fp8.FP8_GATHERED_ROWS, grads.like2.shape[2]),  # dA (N = I), gathering dy's rows
                         (m_grouped_fp8.FP8_TMA_ROWS, grads.like1.shape[2])):  # dx (N = H)
         m_grouped_fp8.get_kernel(producer, m_grouped_fp8.get_config(n).block_n)
-    for grad, accumulate in ((grads.dl1, grads.accumulate_dl1), (grads.dl2, grads.accumulate_dl2)):
-        k_grouped_fp8.get_kernel(_dtype(grad, grads), accumulate)
+    for dtype, accumulate in zip(grads.dtypes(), (grads.accumulate_dl1, grads.accumulate_dl2)):
+        k_grouped_fp8.get_kernel(dtype, accumulate)
     quant_kernels.get_kernel("activations", False)
     moe_kernels_fp8.get_kernel(False)
     kernels.get_kernel("moe_combine")

@@ -461,10 +461,11 @@ def test_new_weight_gradients_are_allocated_at_their_gemms():
     """A new gradient comes into being when its GEMM asks for it (so it is not alive through the
     backward's steps before), once; a given one is accumulated into."""
     from megamoe_bwd.backward import weight_grads
-    l1, l2, given = torch.zeros(2, 4, 8), torch.zeros(2, 8, 2), torch.ones(2, 8, 2)
+    l1, l2, given = torch.zeros(2, 4, 8), torch.zeros(2, 8, 2), torch.ones(2, 8, 2, dtype=torch.bfloat16)
     grads = weight_grads(l1, l2, torch.float32, dl2=given)
     assert grads.dl1 is None and not grads.accumulate_dl1
     assert grads.get_dl2() is given and grads.accumulate_dl2
+    assert grads.dtypes() == (torch.float32, torch.bfloat16)
     dl1 = grads.get_dl1()
     assert dl1.shape == l1.shape and dl1.dtype == torch.float32 and grads.get_dl1() is dl1
 
