@@ -13,8 +13,8 @@ In FP8 (a handle of `deep_gemm.fp8_mega_moe`, `fp8_mega_moe_backward`): dy is qu
 token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quantization's
 loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
 (`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
-and w * act as columns (dl2's); dl1 runs before dx's GEMM, on the same stream; the combine is
-bf16 as above. The weights' FP8 copies are the forward's (the handle's `dgrad_weights`: their
+and w * act as columns (dl2's); dl1 runs after dx's GEMM and combine, on the same stream, x's
+columns in the consumed h's memory; the combine is bf16 as above. The weights' FP8 copies are the forward's (the handle's `dgrad_weights`: their
 transposed halves).
 """
 from __future__ import annotations
@@ -254,10 +254,21 @@ def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_c
     return dz_rows, dz_cols, row_dw
 
 
-def fp8_dl1_gemm(dz_cols: Fp8Columns, x: torch.Tensor | Fp8Rows, layout: RoutingLayout, grads: WeightGrads) -> None:
+def x_columns_storage(buffer: Optional[torch.Tensor], hidden: int, layout: RoutingLayout) -> Optional[torch.Tensor]:
+    """`buffer` (a dead tensor, e.g. a consumed handle's h) if x's columns for dl1 (``[H, T * K]``
+    padded per expert, e4m3) fit in its memory, else None."""
+    if buffer is None:
+        return None
+    nbytes = quant_kernels.fp8_columns_nbytes(hidden, layout.num_slots, layout.offsets.numel() - 1)
+    return buffer if buffer.numel() * buffer.element_size() >= nbytes else None
+
+
+def fp8_dl1_gemm(dz_cols: Fp8Columns, x: torch.Tensor | Fp8Rows, layout: RoutingLayout, grads: WeightGrads,
+                 x_cols_storage: Optional[torch.Tensor] = None) -> None:
     """``dl1 (+)= dz^T @ x[rows]`` in FP8: x (bf16 tokens, or `Fp8Rows`) quantized per expert's
-    columns, its routed rows gathered by the quantization's loads."""
-    _, x_cols = fp8_quantize_columns(x, layout.offsets, row_index=layout.row_token)
+    columns, its routed rows gathered by the quantization's loads; with `x_cols_storage` (from
+    `x_columns_storage`), those columns are written into its memory."""
+    _, x_cols = fp8_quantize_columns(x, layout.offsets, row_index=layout.row_token, out_storage=x_cols_storage)
     k_grouped_fp8_gemm_tn_contiguous((dz_cols.data, dz_cols.scales), (x_cols.data, x_cols.scales), grads.get_dl1(),
                                      dz_cols.padded_offsets, accumulate=grads.accumulate_dl1)
 
@@ -281,16 +292,18 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     d_act = fp8_data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets,
                               a_row_index=layout.row_token)
     del dy_rows, dy_dense
+    # (a consumed handle's h is dead once the SwiGLU backward has read it)
+    x_cols_storage = x_columns_storage(None if keep_handle else handle.h, x.shape[1], layout)
     dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
     del dy_cols, d_act
-    # dl1 before dx's GEMM, on this stream: beside it on a side stream the two ran one after the
-    # other anyway (each grid fills the GPU), while x's and dz's columns stayed alive beside dx's
-    # rows (docs/PERF.md, "Decisions": the FP8 backward's dl1)
-    fp8_dl1_gemm(dz_cols, x, layout, grads)
-    del dz_cols
+    # dx's GEMM and combine, then dl1, on this stream (side by side the two ran one after the other
+    # anyway: each grid fills the GPU), so that dz's rows and dx's are freed before dl1 is
+    # allocated, and x's columns take h's memory (docs/PERF.md, "Decisions": the FP8 backward's dl1)
     dx_rows = fp8_data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
     del dz_rows
     dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
+    del dx_rows
+    fp8_dl1_gemm(dz_cols, x, layout, grads, x_cols_storage)
     return dx, routing_weight_grad(row_dw, layout)
 
 
@@ -322,8 +335,8 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
     Every argument is checked, and every kernel built, before any work: a call that raises leaves
     the handle and the caller's tensors as they were. New weight gradients are allocated at their GEMMs; dl2's GEMM
     runs before dx's rows are allocated, so that its operands are freed first; dl1's runs on a side
-    stream beside the dx GEMM and combine in bf16, before the dx GEMM in FP8 (peak memory).
-    """
+    stream beside the dx GEMM and combine in bf16, after them in FP8, where x's columns for it take
+    the memory of the consumed handle's h (peak memory)."""
     check_backward_args(dy, l1, l2, handle, weight_grad_dtype, dl1, dl2, keep_handle)
     layout, x = handle.layout, handle.x
     grads = weight_grads(l1, l2, weight_grad_dtype, dl1, dl2)

@@ -147,6 +147,45 @@ def test_bad_input_is_refused_with_a_clear_error(call, error):
         call()
 
 
+def _columns_in_storage(x: torch.Tensor, offsets: torch.Tensor, storage: torch.Tensor, **kwargs):
+    """fp8_quantize_columns into `storage`, beside the same call without it."""
+    _, placed = fp8_quantize_columns(x, offsets, out_storage=storage, **kwargs)
+    _, fresh = fp8_quantize_columns(x, offsets, **kwargs)
+    return placed, fresh
+
+
+def test_columns_can_be_written_into_a_dead_buffers_memory():
+    """`out_storage` (any dtype, here bf16 like a consumed h) holds the columns' data: the same
+    values as a new tensor's, at the buffer's address."""
+    x, offsets = _activations(300, 256), offsets_from_sizes([100, 0, 200], "cpu")
+    storage = torch.full((400, 400), float("nan"), dtype=torch.bfloat16)
+    placed, fresh = _columns_in_storage(x, offsets, storage)
+    assert placed.data.data_ptr() == storage.data_ptr() and placed.data.shape == fresh.data.shape
+    assert same_bits(placed.data, fresh.data) and same_bits(placed.scales, fresh.scales)
+    assert same_bits(placed.padded_offsets, fresh.padded_offsets)
+
+
+def _x_inside(storage: torch.Tensor) -> torch.Tensor:
+    """A [4, 128] bf16 x living in storage's first bytes."""
+    return storage.view(torch.uint8)[:1024].view(torch.bfloat16).view(4, 128)
+
+
+@pytest.mark.parametrize("storage,error", [  # (4 rows in one group: [128, 256] e4m3, 32768 bytes)
+    (torch.zeros(32767, dtype=torch.uint8), "holds 32767 bytes, the columns need 32768"),
+    (torch.zeros(32784, dtype=torch.uint8)[1:], "16-byte aligned"),
+    (torch.zeros(512, 128, dtype=torch.uint8)[:, ::2], "contiguous"),
+    (torch.zeros(65536, dtype=torch.uint8), "overlaps x"),
+    ([0] * 32768, "torch.Tensor"),
+])
+def test_bad_storage_is_refused_and_left_untouched(storage, error):
+    x = _x_inside(storage) if error == "overlaps x" else torch.zeros(4, 128, dtype=torch.bfloat16)
+    before = storage.clone() if isinstance(storage, torch.Tensor) else None
+    with pytest.raises((TypeError, ValueError), match=error):
+        fp8_quantize_columns(x, torch.tensor([0, 4], dtype=torch.int32), out_storage=storage)
+    if before is not None:
+        assert torch.equal(storage, before)
+
+
 def _row_index(num_rows: int, source_rows: int, device="cpu") -> torch.Tensor:
     """Rows picked with repeats from a source of another height, two of them out of range."""
     index = torch.randint(0, max(source_rows, 1), (num_rows,), device=device)
@@ -221,6 +260,18 @@ def test_gathered_columns_kernel_equals_the_reference(sizes, k):
     used = int(ref.padded_offsets[-1])
     assert same_bits(cols.data[:, :used], ref.data[:, :used]) and same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
     _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
+
+
+@requires_sm90
+def test_columns_kernel_writes_into_the_storage_it_is_given():
+    x = _activations(2000, 512).cuda()
+    offsets = offsets_from_sizes(random_group_sizes(2000, 16, "skewed"), "cuda")
+    index = _row_index(2000, 2000, "cuda")
+    storage = torch.full((2000, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    placed, fresh = _columns_in_storage(x, offsets, storage, row_index=index)
+    used = int(fresh.padded_offsets[-1])
+    assert placed.data.data_ptr() == storage.data_ptr()
+    assert same_bits(placed.data[:, :used], fresh.data[:, :used]) and same_bits(placed.scales, fresh.scales)
 
 
 @requires_sm90

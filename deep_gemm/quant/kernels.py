@@ -76,16 +76,43 @@ def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
     return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
 
 
+def fp8_columns_nbytes(k: int, m: int, num_groups: int) -> int:
+    """Bytes of `Fp8Columns.data` for `m` rows of width `k` in `num_groups` groups."""
+    return k * padded_group_width(m, num_groups)
+
+
 def empty_fp8_columns(k: int, m: int, num_groups: int, device: torch.device,
-                      padded_offsets: Optional[torch.Tensor] = None) -> Fp8Columns:
+                      padded_offsets: Optional[torch.Tensor] = None,
+                      storage: Optional[torch.Tensor] = None) -> Fp8Columns:
     """Uninitialised `Fp8Columns` of `m` rows of width `k` in `num_groups` groups (the kernels
     write the padded offsets: `padded_offsets`, when given, is shared with another copy of the
-    same groups)."""
+    same groups). With `storage`, the data is a view of its first `fp8_columns_nbytes` bytes
+    (see `fp8_quantize_columns`)."""
     width = padded_group_width(m, num_groups)
     if padded_offsets is None:
         padded_offsets = torch.empty(num_groups + 1, dtype=torch.int32, device=device)
-    return Fp8Columns(torch.empty(k, width, dtype=torch.float8_e4m3fn, device=device),
-                      torch.empty(width // BLOCK, k, dtype=torch.float32, device=device), padded_offsets)
+    if storage is None:
+        data = torch.empty(k, width, dtype=torch.float8_e4m3fn, device=device)
+    else:
+        data = storage.view(-1).view(torch.uint8)[:k * width].view(torch.float8_e4m3fn).view(k, width)
+    return Fp8Columns(data, torch.empty(width // BLOCK, k, dtype=torch.float32, device=device), padded_offsets)
+
+
+def _check_storage(storage: torch.Tensor, nbytes: int, device: torch.device, inputs: dict) -> None:
+    """`storage` as `fp8_quantize_columns` takes it: a contiguous, 16-byte aligned tensor on
+    `device` of at least `nbytes` bytes, sharing no memory with `inputs`."""
+    if not isinstance(storage, torch.Tensor):
+        raise TypeError(f"out_storage must be a torch.Tensor, got {type(storage).__name__}")
+    if not storage.is_contiguous() or storage.data_ptr() % 16 or storage.device != device:
+        raise ValueError(f"out_storage must be contiguous and 16-byte aligned on {device}")
+    size = storage.numel() * storage.element_size()
+    if size < nbytes:
+        raise ValueError(f"out_storage holds {size} bytes, the columns need {nbytes}")
+    begin = storage.data_ptr()
+    for name, t in inputs.items():
+        t_begin = t.data_ptr()
+        if begin < t_begin + t.numel() * t.element_size() and t_begin < begin + size:
+            raise ValueError(f"out_storage overlaps {name}")
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -109,7 +136,8 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
 
 def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor, *,
                          row_index: Optional[torch.Tensor] = None, with_rows: bool = False,
-                         power_of_two_scales: bool = False) -> tuple[Optional[Fp8Rows], Fp8Columns]:
+                         power_of_two_scales: bool = False, out_storage: Optional[torch.Tensor] = None
+                         ) -> tuple[Optional[Fp8Rows], Fp8Columns]:
     """x ``[M, K]`` bf16 (K a multiple of 128) in row groups (`group_offsets` ``[G + 1]`` int32,
     G <= 1024), transposed and quantized per 128 x 1 within each group: an operand of
     `k_grouped_fp8_gemm_tn_contiguous` (see `Fp8Columns`; its padded offsets are written on the
@@ -121,7 +149,11 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
     x may also be `Fp8Rows` (rows already quantized per 1 x 128, e.g. received in FP8 from
     another GPU): they are dequantized in the loads and rounded to bf16, the values
     ``reference.dequantize_rows(x).bfloat16()``, then quantized as above (a second rounding: use
-    it only where the bf16 rows are gone)."""
+    it only where the bf16 rows are gone).
+
+    `out_storage` (a contiguous, 16-byte aligned tensor of any dtype on x's device, at least
+    `fp8_columns_nbytes(K, M, G)` bytes, overlapping no input) holds the columns' data instead of
+    a new tensor: its contents are overwritten (a dead buffer's memory, reused)."""
     from_fp8 = isinstance(x, Fp8Rows)
     if from_fp8:
         _check_fp8_rows(x)
@@ -136,18 +168,25 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
         if row_index.numel() * data.shape[1] >= MAX_ELEMENTS:
             raise ValueError(f"row_index picks {row_index.numel()} rows of {data.shape[1]}: the kernels index rows "
                              f"with 32-bit counts")
-    if not data.is_cuda:
-        source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
-        return fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,
-                                          power_of_two_scales=power_of_two_scales)
     tensors = dict(x=data, group_offsets=group_offsets)
     if from_fp8:
         tensors["x_scales"] = x.scales
     if row_index is not None:
         tensors["row_index"] = row_index
-    check_cuda_devices(**tensors)
     m, k = (data.shape[0] if row_index is None else row_index.numel()), data.shape[1]
-    columns = empty_fp8_columns(k, m, num_groups, data.device)
+    if out_storage is not None:
+        _check_storage(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
+    if not data.is_cuda:
+        source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
+        rows, columns = fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,
+                                                   power_of_two_scales=power_of_two_scales)
+        if out_storage is not None:
+            placed = empty_fp8_columns(k, m, num_groups, data.device, columns.padded_offsets, out_storage)
+            placed.data.copy_(columns.data)
+            columns = Fp8Columns(placed.data, columns.scales, columns.padded_offsets)
+        return rows, columns
+    check_cuda_devices(**tensors)
+    columns = empty_fp8_columns(k, m, num_groups, data.device, storage=out_storage)
     width = columns.data.shape[1]
     rows = empty_fp8_rows(m, k, data.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
