@@ -6,9 +6,8 @@
 //                           (the weight gradients' operands; each group's tokens padded with zeros
 //                           to a multiple of 128, so that a scale block never holds two groups);
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
-// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; each kernel loads a
-// tile while it quantizes the one before (the activations' into registers, two tiles there and two
-// CTAs an SM; the weights' into shared memory).
+// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; the activations'
+// kernel loads a tile while it quantizes the one before (two tiles in registers, two CTAs an SM).
 // The transposed copy and the column scales come from a bf16 copy of the tile in shared memory.
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -150,73 +149,49 @@ struct Fp8QuantizeWeightsParams {
     uint32_t num_groups, n, k;
 };
 
-// Each CTA walks its tiles with the next one copied into shared memory (cp.async) while it
-// quantizes the one before: two tile buffers, no prefetch registers.
 template <typename ScaleRule>
 struct Fp8QuantizeWeights {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
-    struct Smem {
-        __nv_bfloat16 tiles[2][fp8_quantize::kTile * fp8_quantize::kTile];
-        float warp_amax[2][kNumThreads / 32];  // (by tile buffer: one CTA barrier a tile fewer)
-    };
-    static constexpr uint32_t kSmemBytes = sizeof(Smem);
 
     __device__ __forceinline__ static void run(const Fp8QuantizeWeightsParams& p) {
         using namespace fp8_quantize;
-        extern __shared__ __align__(16) uint8_t smem_buffer[];
-        Smem& smem = *reinterpret_cast<Smem*>(smem_buffer);
+        __shared__ __align__(16) __nv_bfloat16 tile_smem[kTile * kTile];
+        __shared__ float warp_amax[kNumThreads / 32];
         const uint32_t num_n_blocks = p.n / kTile, num_k_blocks = p.k / kTile;
         const uint32_t num_tiles = p.num_groups * num_n_blocks * num_k_blocks;
-        const auto group_base = [&](uint32_t t) {
-            return static_cast<uint64_t>(t / (num_n_blocks * num_k_blocks)) * p.n * p.k;
-        };
-        const auto copy = [&](uint32_t t, __nv_bfloat16* tile) {
-            const uint32_t nb = t / num_k_blocks % num_n_blocks, kb = t % num_k_blocks;
-            TileRegs::copy_async(tile, p.w + group_base(t) + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile,
-                                 p.k, kTile);
-            ptx::cp_async_commit();
-        };
-        if (blockIdx.x < num_tiles)
-            copy(blockIdx.x, smem.tiles[0]);
-        uint32_t buf = 0;
-        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x, buf ^= 1) {
-            const uint32_t nb = t / num_k_blocks % num_n_blocks, kb = t % num_k_blocks;
-            const uint64_t base = group_base(t);
-            const __nv_bfloat16* tile = smem.tiles[buf];
-            ptx::cp_async_wait<0>();
-            // The whole tile has landed, and every thread is done with the other buffer's tile
-            // (the tile before), which the next copy overwrites.
-            __syncthreads();
-            if (t + gridDim.x < num_tiles)
-                copy(t + gridDim.x, smem.tiles[buf ^ 1]);
-
+        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+            const uint32_t g = t / (num_n_blocks * num_k_blocks), nb = t / num_k_blocks % num_n_blocks,
+                           kb = t % num_k_blocks;
+            const uint64_t group_base = static_cast<uint64_t>(g) * p.n * p.k;
             TileRegs regs;
+            regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
+            regs.to_smem(tile_smem);
             float amax = 0.0f;
             #pragma unroll
             for (uint32_t i = 0; i < kNumPasses; ++i)
-                regs.raw[i] = ptx::ld_shared_v4(tile + TileRegs::smem_offset(i)), amax = fmaxf(amax, regs.row_amax(i));
+                amax = fmaxf(amax, regs.row_amax(i));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 16));
             if (threadIdx.x % 32 == 0)
-                smem.warp_amax[buf][threadIdx.x / 32] = amax;
+                warp_amax[threadIdx.x / 32] = amax;
             __syncthreads();
             #pragma unroll
             for (uint32_t w = 0; w < kNumThreads / 32; ++w)
-                amax = fmaxf(amax, smem.warp_amax[buf][w]);
+                amax = fmaxf(amax, warp_amax[w]);
             const float scale = ScaleRule::of(amax), inv = __frcp_rn(scale);
 
             #pragma unroll
             for (uint32_t i = 0; i < kNumPasses; ++i)
-                regs.store_fp8(i, inv, p.q + base + static_cast<uint64_t>(nb * kTile + TileRegs::row(i)) * p.k +
-                                           kb * kTile + TileRegs::col());
+                regs.store_fp8(i, inv, p.q + group_base + static_cast<uint64_t>(nb * kTile + TileRegs::row(i)) * p.k +
+                                             kb * kTile + TileRegs::col());
             ColumnPair cols;
-            cols.load(tile);
+            cols.load(tile_smem);
             const uint64_t qt_row = static_cast<uint64_t>(kb) * kTile + ColumnPair::col();
             const uint32_t qt_col = nb * kTile + ColumnPair::first_row();
-            cols.store_fp8(0, inv, p.qt + base + qt_row * p.n + qt_col);
-            cols.store_fp8(1, inv, p.qt + base + (qt_row + 1) * p.n + qt_col);
+            cols.store_fp8(0, inv, p.qt + group_base + qt_row * p.n + qt_col);
+            cols.store_fp8(1, inv, p.qt + group_base + (qt_row + 1) * p.n + qt_col);
             if (threadIdx.x == 0)
-                p.scales[(static_cast<uint64_t>(t / (num_n_blocks * num_k_blocks)) * num_n_blocks + nb) * num_k_blocks +
-                         kb] = scale;
+                p.scales[(static_cast<uint64_t>(g) * num_n_blocks + nb) * num_k_blocks + kb] = scale;
+            __syncthreads();  // tile_smem and warp_amax are free for the next tile
         }
     }
 };
