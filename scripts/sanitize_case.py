@@ -70,6 +70,10 @@ for pow2 in (False, True):
     fp8_quantize_rows(x8, power_of_two_scales=pow2)
     fp8_quantize_columns(x8, offsets, with_rows=True, power_of_two_scales=pow2)
     fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16), power_of_two_scales=pow2)
+# More tiles than CTAs: each CTA walks several.
+deep_gemm.set_num_sms(1)
+fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
+deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)
 a8 = fp8_quantize_rows(x8)
 w8 = fp8_quantize_weights(torch.randn(len(sizes), 384, 256, device="cuda", dtype=torch.bfloat16))
 d8 = torch.empty(rows, 384, device="cuda", dtype=torch.bfloat16)
