@@ -30,25 +30,29 @@ def quantization_fits(rows: int, cols: int, num_groups: int = 1) -> bool:
     return rows * cols < MAX_ELEMENTS and num_groups <= MAX_GROUPS
 
 
-# kernel -> (C++ struct with its template arguments after the scale rule, parameters)
+# The weights' kernel: a 128 x 128 bf16 tile, its transposed e4m3 copy and 8 fp32 warp maxima of
+# dynamic shared memory.
+_WEIGHTS_SMEM_BYTES = BLOCK * BLOCK * 2 + BLOCK * BLOCK + 8 * 4
+
+# kernel -> (C++ struct with its template arguments after the scale rule, parameters, dynamic shared memory)
 _KERNELS = {
-    "activations": ("Fp8QuantizeActivations", "", _ACTIVATIONS),
+    "activations": ("Fp8QuantizeActivations", "", _ACTIVATIONS, 0),
     # the same from e4m3 rows and their scales, dequantized in the loads
-    "activations_from_fp8": ("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource", _ACTIVATIONS),
-    "weights": ("Fp8QuantizeWeights", "", _WEIGHTS),
+    "activations_from_fp8": ("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource", _ACTIVATIONS, 0),
+    "weights": ("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
     """`name`: a key of `_KERNELS`."""
-    struct, source, params = _KERNELS[name]
+    struct, source, params, smem_bytes = _KERNELS[name]
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
-    # The activations' kernels: two CTAs an SM, each holding two tiles in registers (<= 128 registers
-    # a thread). The weights' kernel is faster without that prefetch (docs/PERF.md, "Quantization
-    # with the next tile prefetched").
+    # Two CTAs an SM (<= 128 registers a thread): the activations' kernels hold two tiles in registers
+    # each; the weights' kernel is faster without that prefetch (docs/PERF.md, "Quantization with
+    # the next tile prefetched").
     return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}{source}>", params,
-                        _NUM_THREADS, min_blocks_per_sm=1 if name == "weights" else 2)
+                        _NUM_THREADS, smem_bytes, min_blocks_per_sm=2)
 
 
 def all_kernels() -> list[tuple[str, bool]]:

@@ -149,14 +149,21 @@ struct Fp8QuantizeWeightsParams {
     uint32_t num_groups, n, k;
 };
 
+// The transposed copy leaves through shared memory in whole 128-byte rows (`TransposedStage`).
 template <typename ScaleRule>
 struct Fp8QuantizeWeights {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
+    struct Smem {
+        __nv_bfloat16 tile[fp8_quantize::kTile * fp8_quantize::kTile];
+        uint8_t stage[fp8_quantize::TransposedStage::kBytes];
+        float warp_amax[kNumThreads / 32];
+    };
+    static constexpr uint32_t kSmemBytes = sizeof(Smem);
 
     __device__ __forceinline__ static void run(const Fp8QuantizeWeightsParams& p) {
         using namespace fp8_quantize;
-        __shared__ __align__(16) __nv_bfloat16 tile_smem[kTile * kTile];
-        __shared__ float warp_amax[kNumThreads / 32];
+        extern __shared__ __align__(16) uint8_t smem_buffer[];
+        Smem& smem = *reinterpret_cast<Smem*>(smem_buffer);
         const uint32_t num_n_blocks = p.n / kTile, num_k_blocks = p.k / kTile;
         const uint32_t num_tiles = p.num_groups * num_n_blocks * num_k_blocks;
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -165,18 +172,18 @@ struct Fp8QuantizeWeights {
             const uint64_t group_base = static_cast<uint64_t>(g) * p.n * p.k;
             TileRegs regs;
             regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
-            regs.to_smem(tile_smem);
+            regs.to_smem(smem.tile);
             float amax = 0.0f;
             #pragma unroll
             for (uint32_t i = 0; i < kNumPasses; ++i)
                 amax = fmaxf(amax, regs.row_amax(i));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 16));
             if (threadIdx.x % 32 == 0)
-                warp_amax[threadIdx.x / 32] = amax;
+                smem.warp_amax[threadIdx.x / 32] = amax;
             __syncthreads();
             #pragma unroll
             for (uint32_t w = 0; w < kNumThreads / 32; ++w)
-                amax = fmaxf(amax, warp_amax[w]);
+                amax = fmaxf(amax, smem.warp_amax[w]);
             const float scale = ScaleRule::of(amax), inv = __frcp_rn(scale);
 
             #pragma unroll
@@ -184,14 +191,15 @@ struct Fp8QuantizeWeights {
                 regs.store_fp8(i, inv, p.q + group_base + static_cast<uint64_t>(nb * kTile + TileRegs::row(i)) * p.k +
                                              kb * kTile + TileRegs::col());
             ColumnPair cols;
-            cols.load(tile_smem);
-            const uint64_t qt_row = static_cast<uint64_t>(kb) * kTile + ColumnPair::col();
-            const uint32_t qt_col = nb * kTile + ColumnPair::first_row();
-            cols.store_fp8(0, inv, p.qt + group_base + qt_row * p.n + qt_col);
-            cols.store_fp8(1, inv, p.qt + group_base + (qt_row + 1) * p.n + qt_col);
+            cols.load(smem.tile);
+            cols.stage_fp8(0, inv, smem.stage);
+            cols.stage_fp8(1, inv, smem.stage);
             if (threadIdx.x == 0)
                 p.scales[(static_cast<uint64_t>(g) * num_n_blocks + nb) * num_k_blocks + kb] = scale;
-            __syncthreads();  // tile_smem and warp_amax are free for the next tile
+            __syncthreads();
+            TransposedStage::store(smem.stage, p.qt + group_base + static_cast<uint64_t>(kb) * kTile * p.n + nb * kTile,
+                                   p.n);
+            __syncthreads();  // the tile, the stage and warp_amax are free for the next tile
         }
     }
 };

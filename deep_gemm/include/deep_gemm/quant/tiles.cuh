@@ -97,6 +97,28 @@ struct TileRegs {
     }
 };
 
+// A tile's transposed e4m3 copy in shared memory, [128][128] bytes, so that it leaves in whole
+// 128-byte rows (eight threads a row) instead of 16 bytes to each of 32 rows a warp store. Row c's
+// 16-byte chunk j lies at chunk j ^ (c / 2 % 8): ColumnPair's threads, two rows apart, then write
+// to distinct banks.
+struct TransposedStage {
+    static constexpr uint32_t kBytes = kTile * kTile;
+
+    __device__ __forceinline__ static uint32_t offset(uint32_t row, uint32_t chunk) {
+        return row * kTile + (chunk ^ (row / 2 % 8)) * 16;
+    }
+
+    // The staged tile to dst (row c at dst + c * ld). Every thread of the CTA calls it, after a
+    // CTA barrier behind the staging.
+    __device__ __forceinline__ static void store(const uint8_t* stage, uint8_t* dst, uint64_t ld) {
+        #pragma unroll
+        for (uint32_t i = threadIdx.x; i < kTile * kTile / 16; i += kNumThreads) {
+            const uint32_t row = i / 8, chunk = i % 8;
+            *reinterpret_cast<uint4*>(dst + row * ld + chunk * 16) = ptx::ld_shared_v4(stage + offset(row, chunk));
+        }
+    }
+};
+
 // Thread t's share of a tile's columns in shared memory: columns 2 (t % 64) and 2 (t % 64) + 1 of
 // the 32 rows from 32 (t / 64) (a warp reads one 128-byte row at a time: no bank conflicts).
 struct ColumnPair {
@@ -123,24 +145,30 @@ struct ColumnPair {
     }
 
     // Column `which` (0: col(), 1: col() + 1), its kRows values times `inv` (1 / scale) as e4m3,
-    // to `dst` (kRows bytes).
-    __device__ __forceinline__ void store_fp8(uint32_t which, float inv, uint8_t* dst) const {
+    // into a transposed tile in shared memory (`TransposedStage`): column c is its row c.
+    __device__ __forceinline__ void stage_fp8(uint32_t which, float inv, uint8_t* stage) const {
+        const uint32_t c = col() + which;
         #pragma unroll
-        for (uint32_t r = 0; r < kRows; r += 16) {
-            uint4 out;
-            uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+        for (uint32_t r = 0; r < kRows; r += 16)
+            ptx::st_shared_v4(stage + TransposedStage::offset(c, (first_row() + r) / 16), packed_fp8(which, inv, r));
+    }
+
+private:
+    // Rows r .. r + 16 of column `which`, times `inv`, as 16 e4m3 bytes.
+    __device__ __forceinline__ uint4 packed_fp8(uint32_t which, float inv, uint32_t r) const {
+        uint4 out;
+        uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+        #pragma unroll
+        for (uint32_t w = 0; w < 4; ++w) {
+            float v[4];
             #pragma unroll
-            for (uint32_t w = 0; w < 4; ++w) {
-                float v[4];
-                #pragma unroll
-                for (uint32_t j = 0; j < 4; ++j) {
-                    const float2 pair = __bfloat1622float2(x[r + 4 * w + j]);
-                    v[j] = (which == 0 ? pair.x : pair.y) * inv;
-                }
-                words[w] = ptx::pack_e4m3x4(v[0], v[1], v[2], v[3]);
+            for (uint32_t j = 0; j < 4; ++j) {
+                const float2 pair = __bfloat1622float2(x[r + 4 * w + j]);
+                v[j] = (which == 0 ? pair.x : pair.y) * inv;
             }
-            *reinterpret_cast<uint4*>(dst + r) = out;
+            words[w] = ptx::pack_e4m3x4(v[0], v[1], v[2], v[3]);
         }
+        return out;
     }
 };
 
@@ -183,22 +211,21 @@ __device__ __forceinline__ void column_amax_to_smem(ColumnSmem& smem, const Colu
     smem.col_amax[threadIdx.x / 64][ColumnPair::col() + 1] = mine.y;
 }
 
-// ... then the quarters' amax combined, and the columns quantized: column c to qt + c * ld (128
-// bytes), its scale to scales[c].
+// ... then the quarters' amax combined, and the columns quantized into `stage` (a
+// TransposedStage), their scales to scales[c] for column c.
 template <typename ScaleRule>
-__device__ __forceinline__ void store_columns_with_amax(const ColumnSmem& smem, const ColumnPair& cols, uint8_t* qt,
-                                                        uint64_t ld, float* scales) {
+__device__ __forceinline__ void stage_columns_with_amax(const ColumnSmem& smem, const ColumnPair& cols, uint8_t* stage,
+                                                        float* scales) {
     float amax[2] = {0.0f, 0.0f};
     #pragma unroll
     for (uint32_t j = 0; j < kNumThreads / 64; ++j)
         amax[0] = fmaxf(amax[0], smem.col_amax[j][ColumnPair::col()]),
         amax[1] = fmaxf(amax[1], smem.col_amax[j][ColumnPair::col() + 1]);
     const float scale[2] = {ScaleRule::of(amax[0]), ScaleRule::of(amax[1])};
-    const uint32_t c = ColumnPair::col();
-    cols.store_fp8(0, __frcp_rn(scale[0]), qt + static_cast<uint64_t>(c) * ld + ColumnPair::first_row());
-    cols.store_fp8(1, __frcp_rn(scale[1]), qt + static_cast<uint64_t>(c + 1) * ld + ColumnPair::first_row());
+    cols.stage_fp8(0, __frcp_rn(scale[0]), stage);
+    cols.stage_fp8(1, __frcp_rn(scale[1]), stage);
     if (threadIdx.x / 64 == 0)
-        *reinterpret_cast<float2*>(scales + c) = make_float2(scale[0], scale[1]);
+        *reinterpret_cast<float2*>(scales + ColumnPair::col()) = make_float2(scale[0], scale[1]);
 }
 
 // Where a tile's transposed column copy goes: column c to qt + c * ld, its scale to scales[c].
@@ -208,12 +235,14 @@ struct ColumnDst {
 };
 
 // The columns of the kNum tiles in tiles[t].tile (written by any of the CTA's threads before the
-// call) quantized per 128 x 1 and transposed, to dst(t) (a ColumnDst; 128 bytes a column). Three
-// CTA barriers however many tiles: each tile but the last is read from shared memory twice (for
-// its amax, then to store it) rather than synced over three times each. Every thread of the CTA
-// calls it; the tiles are free again when it returns.
+// call) quantized per 128 x 1 and transposed, to dst(t) (a ColumnDst; 128 bytes a column). Each
+// tile is read from shared memory twice (for its amax, then to quantize it) rather than synced
+// over three times each; the copies leave through two TransposedStages in the last tile's memory
+// (free once every thread holds its columns), two tiles at a time. Every thread of the CTA calls
+// it; the tiles are free again when it returns.
 template <typename ScaleRule, uint32_t kNum, typename Dst>
 __device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem* tiles, uint64_t ld, const Dst& dst) {
+    static_assert(sizeof(ColumnSmem::tile) >= 2 * TransposedStage::kBytes, "a tile's memory holds two stages");
     __syncthreads();
     ColumnPair cols;
     #pragma unroll
@@ -222,14 +251,22 @@ __device__ __forceinline__ void store_smem_columns_fp8(ColumnSmem* tiles, uint64
         column_amax_to_smem(tiles[t], cols);
     }
     __syncthreads();
+    uint8_t* stages = reinterpret_cast<uint8_t*>(tiles[kNum - 1].tile);
     #pragma unroll
-    for (uint32_t t = kNum; t-- > 0;) {  // (the last tile's columns are still in registers)
-        if (t + 1 < kNum)
-            cols.load(tiles[t].tile);
-        const ColumnDst d = dst(t);
-        store_columns_with_amax<ScaleRule>(tiles[t], cols, d.qt, ld, d.scales);
+    for (uint32_t t = kNum; t > 0; t = t > 2 ? t - 2 : 0) {  // tiles t - 1 and t - 2
+        #pragma unroll
+        for (uint32_t s = 0; s < 2 && s < t; ++s) {
+            if (t - 1 - s + 1 < kNum)  // (the last tile's columns are still in registers)
+                cols.load(tiles[t - 1 - s].tile);
+            stage_columns_with_amax<ScaleRule>(tiles[t - 1 - s], cols, stages + s * TransposedStage::kBytes,
+                                               dst(t - 1 - s).scales);
+        }
+        __syncthreads();
+        #pragma unroll
+        for (uint32_t s = 0; s < 2 && s < t; ++s)
+            TransposedStage::store(stages + s * TransposedStage::kBytes, dst(t - 1 - s).qt, ld);
+        __syncthreads();  // the stages (and, after the last pair, the tiles) are free
     }
-    __syncthreads();  // the tiles are free for the next ones
 }
 
 // The tile's columns quantized per 128 x 1 and transposed, through smem (store_smem_columns_fp8):
