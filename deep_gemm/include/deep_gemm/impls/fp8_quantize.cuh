@@ -8,7 +8,8 @@
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
 // A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; the activations'
 // kernel loads a tile while it quantizes the one before (two tiles in registers, two CTAs an SM).
-// The transposed copy and the column scales come from a bf16 copy of the tile in shared memory.
+// The transposed copy and the column scales come from a bf16 copy of the tile in shared memory; the
+// copy leaves through an e4m3 stage there in whole 128-byte rows (`TransposedStage`).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../quant/tiles.cuh"
