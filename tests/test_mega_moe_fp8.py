@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -233,6 +234,21 @@ def test_an_optimizer_step_renews_the_fp8_weights(device, fused):
     after = fp8_weights(w)
     assert after is not before and not torch.equal(after.data.view(torch.uint8), before.data.view(torch.uint8))
     assert fp8_weights(w) is after
+
+
+def test_an_optimizer_step_frees_the_stale_copies_before_it_runs():
+    w = torch.nn.Parameter(torch.randn(2, 128, 256, dtype=torch.bfloat16))
+    stale = weakref.ref(fp8_weights(w).data)
+    w.grad = torch.randn_like(w)
+    seen_during_step = []
+
+    class Probe(torch.optim.SGD):
+        def step(self, closure=None):
+            seen_during_step.append(stale() is None)
+            return super().step(closure)
+
+    Probe([w], lr=1e-2).step()
+    assert seen_during_step == [True]
 
 
 def test_writes_through_data_need_an_explicit_invalidation():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous
@@ -21,19 +21,17 @@ from .layout import RoutingLayout
 # H and I must be multiples of this: every FP8 operand is scaled per 128 contraction elements.
 FP8_DIM_MULTIPLE = 128
 
-# weight -> (its storage pointer, version counter and the generation when quantized, its FP8
-# copy); by identity, and gone with the weight
+# weight -> (its storage pointer and version counter when quantized, its FP8 copy); by identity,
+# and gone with the weight
 _weight_cache = WeakIdKeyDictionary()
-_generation = 0  # moves on at every optimizer step and `invalidate_fp8_weights`
 _step_hook = None
 
 
 def invalidate_fp8_weights() -> None:
-    """Makes every cached FP8 weight copy stale: call it after changing expert weights in a way
-    that neither an optimizer step nor the version counter reveals (writes through ``p.data``,
-    another framework's fused update)."""
-    global _generation
-    _generation += 1
+    """Drops every cached FP8 weight copy (its memory is freed unless a pending backward holds
+    it): call it after changing expert weights in a way that neither an optimizer step nor the
+    version counter reveals (writes through ``p.data``, another framework's fused update)."""
+    _weight_cache.clear()
 
 
 def fp8_weights(w: torch.Tensor) -> Fp8Weights:
@@ -41,19 +39,20 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     both orientations, 128 x 128 scales), cached with the tensor, so that a training step
     quantizes each weight once, for the forward, the backward and every micro-batch.
 
-    The copy is made again after any `torch.optim` optimizer's step (a global post-step hook,
-    registered at the first call: fused optimizers update parameters without bumping their
-    version counters), after any other in-place change of the weight that bumps its version
-    counter (``copy_`` under ``no_grad``), when its storage moves, and after
-    `invalidate_fp8_weights`. While a CUDA graph is being captured it is always made (inside
-    the graph, so every replay quantizes the weight as it then is). The copy holds 2 bytes per
-    parameter, as long as the weight lives."""
+    The copy is made again after any `torch.optim` optimizer's step (a global pre-step hook,
+    registered at the first call, drops every copy before the step runs, so that their memory
+    is the step's: fused optimizers update parameters without bumping their version counters),
+    after any other in-place change of the weight that bumps its version counter (``copy_``
+    under ``no_grad``), when its storage moves, and after `invalidate_fp8_weights`. While a CUDA
+    graph is being captured it is always made (inside the graph, so every replay quantizes the
+    weight as it then is). The copy holds 2 bytes per parameter, from the first forward after
+    a step to the next step."""
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(lambda *_: invalidate_fp8_weights())
+        _step_hook = register_optimizer_step_pre_hook(lambda *_: invalidate_fp8_weights())
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return fp8_quantize_weights(w)
-    key = (w.data_ptr(), -1 if w.is_inference() else w._version, _generation)
+    key = (w.data_ptr(), -1 if w.is_inference() else w._version)
     cached = _weight_cache.get(w)
     if cached is None or cached[0] != key:
         cached = (key, fp8_quantize_weights(w))
