@@ -12,7 +12,7 @@ from .gemm import (
     m_grouped_fp8_gemm_nt_contiguous,
     m_grouped_fp8_gemm_nt_swiglu_contiguous,
 )
-from .moe import bf16_mega_moe, fp8_mega_moe
+from .moe import Fp8WeightCopies, bf16_mega_moe, fp8_mega_moe, get_fp8_weight_copies, set_fp8_weight_copies
 from .utils import get_num_sms, set_num_sms
 
 # The backward, the autograd layer and expert parallelism live in the sibling package
@@ -36,6 +36,9 @@ def __getattr__(name: str):
 __all__ = [
     "bf16_mega_moe",
     "fp8_mega_moe",
+    "Fp8WeightCopies",
+    "set_fp8_weight_copies",
+    "get_fp8_weight_copies",
     "get_symm_buffer_for_mega_moe",
     "mega_moe_backward",
     "mega_moe",

@@ -6,7 +6,8 @@ above the inputs, allocated (tensors alive) and reserved (what the caching alloc
 a block freed on a side stream stays there while that stream may still use it), for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
     ours fp8 megamoe_bwd.mega_moe(..., fp8=True): the expert GEMMs in blockwise FP8, bf16 in
-             and out (TFLOPS counted as for bf16); `--no-fp8` leaves it and the next out
+             and out (TFLOPS counted as for bf16); `--no-fp8` leaves it and the next out;
+             `--fp8-per-call` adds "ours fp8 per call", its weight copies made at every call
     torch fp8 rowwise  megamoe_bwd.baseline.fp8_rowwise_moe: the torch MoE with its GEMMs on
              torch._scaled_grouped_mm, rowwise scales, torch's quantization (torchao-style; its
              weight gradients read the group sizes on the host)
@@ -181,6 +182,18 @@ def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[flo
     return _median((b - a) * 1e3 for a, b, _ in steps), _median((c - b) * 1e3 for _, b, c in steps)
 
 
+def _fp8_copies_per_call(*inputs) -> torch.Tensor:
+    """Our FP8 layer with `deep_gemm.Fp8WeightCopies.PER_CALL` for its forward (the backward takes
+    the forward's copies either way)."""
+    import deep_gemm
+    previous = deep_gemm.get_fp8_weight_copies()
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
+    try:
+        return mega_moe(*inputs, fp8=True)
+    finally:
+        deep_gemm.set_fp8_weight_copies(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="30b,235b,v3")
@@ -194,6 +207,9 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
     parser.add_argument("--no-fp8", action="store_true", help="leave our FP8 layer out (one GPU; with --num-processes "
                         "use --impls)")
+    parser.add_argument("--fp8-per-call", action="store_true", help="also time our FP8 layer with its weight copies "
+                        "made per call (deep_gemm.Fp8WeightCopies.PER_CALL): every step quantizes the weights, and "
+                        "no copy outlives its backward")
     parser.add_argument("--impls", default=None,
                         help="with --num-processes: implementations to time, separated by ';' (names hold commas; "
                              "default: all; 'ours compute only' is always timed, the ratios' reference)")
@@ -209,6 +225,8 @@ def main() -> None:
     if not args.no_fp8:
         impls["torch fp8 rowwise"] = fp8_rowwise_moe
         impls["ours fp8"] = lambda *inputs: mega_moe(*inputs, fp8=True)
+        if args.fp8_per_call:
+            impls["ours fp8 per call"] = _fp8_copies_per_call
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     parser.add_argument("--plot", default="train_moe.png")
     parser.add_argument("--json", default=None, help="write each backend's per-step losses and step times here")
+    parser.add_argument("--fp8-weight-copies", default="per_step", choices=("per_step", "per_call"),
+                        help="how long megamoe_fp8's FP8 weight copies live (deep_gemm.Fp8WeightCopies)")
     args = parser.parse_args()
     require_sm90("train_moe.py")
     if args.tokens % args.seq:
@@ -148,6 +150,8 @@ def main() -> None:
     if args.log_every < 1:
         sys.exit(f"--log-every must be at least 1, got {args.log_every}")
     import megamoe_bwd.integrations.transformers  # noqa: F401  (registers "megamoe" and "megamoe_fp8")
+    import deep_gemm
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies(args.fp8_weight_copies))
 
     data = load_text()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  text: {data.numel()} bytes (pydoc_data)")

@@ -101,6 +101,77 @@ def test_fp8_weights_are_cached_until_the_weight_changes():
     assert torch.equal(second.scales, first.scales * 2)
 
 
+@pytest.fixture
+def per_call_copies():
+    """The FP8 weight copies made per call for one test, then the default again."""
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
+    yield
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
+
+
+def test_per_call_copies_are_new_at_every_call_and_never_cached(per_call_copies):
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    first = weakref.ref(fp8_weights(w))
+    second = fp8_weights(w)
+    assert first() is None and torch.equal(second.data.view(torch.uint8), fp8_weights(w).data.view(torch.uint8))
+    assert deep_gemm.get_fp8_weight_copies() is deep_gemm.Fp8WeightCopies.PER_CALL
+
+
+def test_switching_to_per_call_drops_the_cached_copies():
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    cached = weakref.ref(fp8_weights(w))
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
+    try:
+        assert cached() is None
+    finally:
+        deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
+    assert fp8_weights(w) is fp8_weights(w)
+
+
+def test_the_copies_policy_is_an_fp8_weight_copies():
+    with pytest.raises(TypeError, match="Fp8WeightCopies"):
+        deep_gemm.set_fp8_weight_copies("per_call")
+    assert deep_gemm.get_fp8_weight_copies() is deep_gemm.Fp8WeightCopies.PER_STEP
+
+
+def test_emulated_layer_gives_the_same_outputs_with_per_call_copies(emulated_gemms):
+    p = make_moe_inputs(100, 256, 128, 8, 4, routing="skewed", seed=3)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
+    per_step = _emulated_layer(*args)
+    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
+    try:
+        per_call = _emulated_layer(*args)
+    finally:
+        deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
+    for name, a, b in zip(OUTPUTS, per_step, per_call):
+        assert torch.equal(a, b), name
+
+
+@requires_sm90
+def test_per_call_copies_do_not_outlive_the_backward(per_call_copies):
+    """Through autograd, PER_CALL leaves nothing allocated once the gradients are taken away: the
+    forward's copies go with the forward, the data gradients' with the backward."""
+    from megamoe_bwd import mega_moe
+    p = make_moe_inputs(512, 256, 256, 8, 4, device="cuda", seed=4)
+    leaves = [p[n].detach().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
+    y = mega_moe(*leaves, fp8=True)
+    y.backward(p["dy"])
+    direct = _gpu_layer(*(p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")))
+    for name, a, b in zip(OUTPUTS, direct, (y, *(leaves[i].grad for i in (0, 2, 3, 4)))):
+        assert torch.equal(a.to(b.dtype), b), name
+    del y, direct
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = mega_moe(*leaves, fp8=True)
+    y.backward(p["dy"])
+    del y
+    for t in leaves:
+        t.grad = None
+    assert torch.cuda.memory_allocated() == before
+
+
 @pytest.mark.parametrize("inter,hidden", [(192, 256), (128, 320)])
 def test_dims_must_be_multiples_of_128(inter, hidden):
     p = make_moe_inputs(4, hidden, inter, 4, 2, seed=0)

@@ -1,10 +1,12 @@
 """Mega MoE forward in blockwise FP8 (docs/DESIGN.md, "Blockwise FP8" and "The FP8 layer"), one
 GPU: x quantized per token -> GEMM1 in FP8 (rows gathered in its loads, SwiGLU and the activation's
 per-row quantization in its epilogue) -> GEMM2 in FP8 -> weighted combine in bf16. Parameters stay bf16;
-their FP8 copies come from `fp8_weights`, made once per change of the weight.
+their FP8 copies come from `fp8_weights`, made once per change of the weight (or per call:
+`Fp8WeightCopies`).
 """
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import torch
@@ -21,10 +23,45 @@ from .layout import RoutingLayout
 # H and I must be multiples of this: every FP8 operand is scaled per 128 contraction elements.
 FP8_DIM_MULTIPLE = 128
 
+
+
+class Fp8WeightCopies(enum.Enum):
+    """How long the FP8 copies of the expert weights live (`set_fp8_weight_copies`).
+
+    PER_STEP (the default): each weight's copy, both orientations, is cached from the first
+    forward after an optimizer step to the next step, so every micro-batch's forward and backward
+    reuse it: 2 bytes per parameter through the step, one quantization per step.
+
+    PER_CALL: each forward makes the copies and nothing caches them; the forward's orientation is
+    freed when the forward returns, the data gradients' (1 byte per parameter) when its backward
+    has run: less memory wherever a step has one micro-batch (whose weights change before the next
+    forward anyway), one quantization per micro-batch otherwise."""
+
+    PER_STEP = "per_step"
+    PER_CALL = "per_call"
+
+
+_copies = Fp8WeightCopies.PER_STEP
 # weight -> (its storage pointer and version counter when quantized, its FP8 copy); by identity,
-# and gone with the weight
+# and gone with the weight (PER_STEP)
 _weight_cache = WeakIdKeyDictionary()
 _step_hook = None
+
+
+def set_fp8_weight_copies(policy: Fp8WeightCopies) -> None:
+    """Sets how long the FP8 layer's weight copies live, for every FP8 forward from now on
+    (`Fp8WeightCopies`); PER_CALL also drops the cached copies."""
+    global _copies
+    if not isinstance(policy, Fp8WeightCopies):
+        raise TypeError(f"policy must be an Fp8WeightCopies, got {type(policy).__name__}")
+    _copies = policy
+    if policy is Fp8WeightCopies.PER_CALL:
+        invalidate_fp8_weights()
+
+
+def get_fp8_weight_copies() -> Fp8WeightCopies:
+    """The policy `set_fp8_weight_copies` set (PER_STEP by default)."""
+    return _copies
 
 
 def invalidate_fp8_weights() -> None:
@@ -36,10 +73,11 @@ def invalidate_fp8_weights() -> None:
 
 def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     """The FP8 copy of an expert weight ``[E, N, K]`` bf16 (`deep_gemm.quant.fp8_quantize_weights`:
-    both orientations, 128 x 128 scales), cached with the tensor, so that a training step
-    quantizes each weight once, for the forward, the backward and every micro-batch.
+    both orientations, 128 x 128 scales), cached with the tensor (`Fp8WeightCopies.PER_STEP`, the
+    default), so that a training step quantizes each weight once, for the forward, the backward
+    and every micro-batch; with PER_CALL a new copy, not cached.
 
-    The copy is made again after any `torch.optim` optimizer's step (a global pre-step hook,
+    The cached copy is made again after any `torch.optim` optimizer's step (a global pre-step hook,
     registered at the first call, drops every copy before the step runs, so that their memory
     is the step's: fused optimizers update parameters without bumping their version counters),
     after any other in-place change of the weight that bumps its version counter (``copy_``
@@ -50,7 +88,7 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(lambda *_: invalidate_fp8_weights())
-    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _copies is Fp8WeightCopies.PER_CALL or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
         return fp8_quantize_weights(w)
     key = (w.data_ptr(), -1 if w.is_inference() else w._version)
     cached = _weight_cache.get(w)
@@ -97,7 +135,8 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     recipe's accuracy (docs/DESIGN.md, "Blockwise FP8"). H and I must be multiples of 128.
 
     x and the SwiGLU activation are quantized per 1 x 128, the weights per 128 x 128
-    (`fp8_weights`, cached until a weight changes). With `training`, the handle (recipe "fp8")
+    (`fp8_weights`: cached until a weight changes, or made per call, as `set_fp8_weight_copies`
+    says). With `training`, the handle (recipe "fp8")
     makes `mega_moe_backward` run the backward in FP8 as well.
     """
     check_fp8_sizes(x, topk_idx, l1)
