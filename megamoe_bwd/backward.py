@@ -243,8 +243,8 @@ def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_c
     pass (`moe_swiglu_bwd_fp8` on h ``[T * K, 2I]`` and `d_act` ``[T * K, I]``, bf16), then ``dl2
     (+)= dy^T @ (w * act)`` on `dy_cols` (dy's per-expert `Fp8Columns` of the layout's offsets).
     Returns ``(dz_rows Fp8Rows [T * K, 2I], dz_cols Fp8Columns, row_dw [T * K] fp32)``. No bf16 dz
-    is written, so h is not overwritten: a consumed handle's h (and its weights' copies) are just
-    released (None)."""
+    is written: a consumed handle's h (and its weights' copies) are released (None) here, h's
+    memory for x's columns (`x_columns_storage`)."""
     layout = handle.layout
     dz_rows, dz_cols, act_cols, row_dw = moe_swiglu_bwd_fp8(handle.h, d_act, layout)
     if not keep_handle:
@@ -254,13 +254,20 @@ def fp8_swiglu_backward_and_dl2(handle: MegaMoEHandle, d_act: torch.Tensor, dy_c
     return dz_rows, dz_cols, row_dw
 
 
-def x_columns_storage(buffer: Optional[torch.Tensor], hidden: int, layout: RoutingLayout) -> Optional[torch.Tensor]:
+def x_columns_storage(buffer: Optional[torch.Tensor], x: torch.Tensor | Fp8Rows,
+                      layout: RoutingLayout) -> Optional[torch.Tensor]:
     """`buffer` (a dead tensor, e.g. a consumed handle's h) if x's columns for dl1 (``[H, T * K]``
-    padded per expert, e4m3) fit in its memory, else None."""
+    padded per expert, e4m3) can go into its memory (`fp8_quantize_columns`' `out_storage`), else
+    None. Taken, its autograd version is bumped, so that a saved copy of it cannot be read
+    silently."""
     if buffer is None:
         return None
-    nbytes = quant_kernels.fp8_columns_nbytes(hidden, layout.num_slots, layout.offsets.numel() - 1)
-    return buffer if buffer.numel() * buffer.element_size() >= nbytes else None
+    data = x.data if isinstance(x, Fp8Rows) else x
+    nbytes = quant_kernels.fp8_columns_nbytes(data.shape[1], layout.num_slots, layout.offsets.numel() - 1)
+    if quant_kernels.storage_problem(buffer, nbytes, data.device, dict(x=data, row_token=layout.row_token)):
+        return None
+    torch.autograd.graph.increment_version(buffer)
+    return buffer
 
 
 def fp8_dl1_gemm(dz_cols: Fp8Columns, x: torch.Tensor | Fp8Rows, layout: RoutingLayout, grads: WeightGrads,
@@ -293,7 +300,7 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
                               a_row_index=layout.row_token)
     del dy_rows, dy_dense
     # (a consumed handle's h is dead once the SwiGLU backward has read it)
-    x_cols_storage = x_columns_storage(None if keep_handle else handle.h, x.shape[1], layout)
+    x_cols_storage = x_columns_storage(None if keep_handle else handle.h, x, layout)
     dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
     del dy_cols, d_act
     # dx's GEMM and combine, then dl1, on this stream (side by side the two ran one after the other
@@ -325,8 +332,9 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         keep_handle: by default the handle is consumed and a second backward with it raises:
             in bf16 its ``h`` is overwritten by its own gradient (2I bf16 per routed slot less
             peak memory; h's autograd version is bumped, so a saved copy of it cannot be reused
-            silently); in FP8 h is released once read (the gradient leaves quantized). True
-            keeps it usable: in bf16 at the memory of a second h, in FP8 at h's staying alive.
+            silently); in FP8 h's memory takes x's columns for dl1 once the SwiGLU backward has
+            read it (where they fit; its version bumped alike). True keeps it usable: in bf16 at
+            the memory of a second h, in FP8 at x's columns' own.
 
     Returns:
         ``(dx [T, H] bf16, dtopk_weights [T, K] fp32 (0 on empty slots), dl1 [E, 2I, H],

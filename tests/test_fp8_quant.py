@@ -170,16 +170,17 @@ def _x_inside(storage: torch.Tensor) -> torch.Tensor:
     return storage.view(torch.uint8)[:1024].view(torch.bfloat16).view(4, 128)
 
 
-@pytest.mark.parametrize("storage,error", [  # (4 rows in one group: [128, 256] e4m3, 32768 bytes)
-    (torch.zeros(32767, dtype=torch.uint8), "holds 32767 bytes, the columns need 32768"),
-    (torch.zeros(32784, dtype=torch.uint8)[1:], "16-byte aligned"),
-    (torch.zeros(512, 128, dtype=torch.uint8)[:, ::2], "contiguous"),
-    (torch.zeros(65536, dtype=torch.uint8), "overlaps x"),
-    ([0] * 32768, "torch.Tensor"),
+@pytest.mark.parametrize("storage,x_inside,error", [  # (4 rows in one group: [128, 256] e4m3, 32768 bytes)
+    (torch.zeros(32767, dtype=torch.uint8), False, "holds 32767 bytes, the columns need 32768"),
+    (torch.zeros(32784, dtype=torch.uint8)[1:], False, "16-byte aligned"),
+    (torch.zeros(512, 128, dtype=torch.uint8)[:, ::2], False, "contiguous"),
+    (torch.zeros(65536, dtype=torch.uint8), True, "overlaps x"),
+    (torch.zeros(32768, dtype=torch.uint8, device="meta"), False, "is on meta"),
+    ([0] * 32768, False, "torch.Tensor"),
 ])
-def test_bad_storage_is_refused_and_left_untouched(storage, error):
-    x = _x_inside(storage) if error == "overlaps x" else torch.zeros(4, 128, dtype=torch.bfloat16)
-    before = storage.clone() if isinstance(storage, torch.Tensor) else None
+def test_bad_storage_is_refused_and_left_untouched(storage, x_inside, error):
+    x = _x_inside(storage) if x_inside else torch.zeros(4, 128, dtype=torch.bfloat16)
+    before = storage.clone() if isinstance(storage, torch.Tensor) and not storage.is_meta else None
     with pytest.raises((TypeError, ValueError), match=error):
         fp8_quantize_columns(x, torch.tensor([0, 4], dtype=torch.int32), out_storage=storage)
     if before is not None:

@@ -6,6 +6,7 @@ bad input refused before any work.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import weakref
@@ -101,12 +102,21 @@ def test_fp8_weights_are_cached_until_the_weight_changes():
     assert torch.equal(second.scales, first.scales * 2)
 
 
+@contextlib.contextmanager
+def weight_copies(policy):
+    """`policy` for the FP8 weight copies inside the block, the one before it after."""
+    previous = deep_gemm.get_fp8_weight_copies()
+    deep_gemm.set_fp8_weight_copies(policy)
+    try:
+        yield
+    finally:
+        deep_gemm.set_fp8_weight_copies(previous)
+
+
 @pytest.fixture
 def per_call_copies():
-    """The FP8 weight copies made per call for one test, then the default again."""
-    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
-    yield
-    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL):
+        yield
 
 
 def test_per_call_copies_are_new_at_every_call_and_never_cached(per_call_copies):
@@ -120,11 +130,8 @@ def test_per_call_copies_are_new_at_every_call_and_never_cached(per_call_copies)
 def test_switching_to_per_call_drops_the_cached_copies():
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     cached = weakref.ref(fp8_weights(w))
-    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
-    try:
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL):
         assert cached() is None
-    finally:
-        deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
     assert fp8_weights(w) is fp8_weights(w)
 
 
@@ -138,12 +145,34 @@ def test_emulated_layer_gives_the_same_outputs_with_per_call_copies(emulated_gem
     p = make_moe_inputs(100, 256, 128, 8, 4, routing="skewed", seed=3)
     args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
     per_step = _emulated_layer(*args)
-    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
-    try:
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL):
         per_call = _emulated_layer(*args)
-    finally:
-        deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_STEP)
     for name, a, b in zip(OUTPUTS, per_step, per_call):
+        assert torch.equal(a, b), name
+
+
+def test_the_backward_writes_x_columns_into_the_consumed_h(emulated_gemms, monkeypatch):
+    """x's columns for dl1 take the memory of h, dead once the SwiGLU backward has read it (here
+    h is 1 MiB, the columns 0.31 MiB); the gradients are those of a backward that keeps h."""
+    import megamoe_bwd.backward as backward
+    p = make_moe_inputs(512, 128, 128, 4, 4, seed=5)
+    x, topk_idx, topk_weights, l1, l2, dy = (p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy"))
+    quantize_columns, storages = backward.fp8_quantize_columns, []
+
+    def recorded(*args, out_storage=None, **kwargs):
+        storages.append(out_storage)
+        return quantize_columns(*args, out_storage=out_storage, **kwargs)
+
+    monkeypatch.setattr(backward, "fp8_quantize_columns", recorded)
+    results = {}
+    for keep in (False, True):
+        layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
+        h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), torch.empty_like(x))
+        version, storages[:] = h._version, []
+        results[keep] = mega_moe_backward(dy, l1, l2, MegaMoEHandle(layout, x, h, recipe="fp8"), keep_handle=keep)
+        assert storages[-1] is (None if keep else h)
+        assert (h._version > version) != keep  # (a saved copy of h cannot be read silently)
+    for name, a, b in zip(OUTPUTS[1:], results[False], results[True]):
         assert torch.equal(a, b), name
 
 

@@ -24,7 +24,6 @@ from .layout import RoutingLayout
 FP8_DIM_MULTIPLE = 128
 
 
-
 class Fp8WeightCopies(enum.Enum):
     """How long the FP8 copies of the expert weights live (`set_fp8_weight_copies`).
 

@@ -49,8 +49,9 @@ def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
     struct, source, params, smem_bytes = _KERNELS[name]
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
     # Two CTAs an SM (<= 128 registers a thread): the activations' kernels hold two tiles in registers
-    # each; the weights' kernel is faster without that prefetch (docs/PERF.md, "Quantization with
-    # the next tile prefetched").
+    # each; the weights' kernel prefetches nothing (slower in registers and in shared memory:
+    # docs/PERF.md, "Decisions", FP8 quantization prefetch) and needs the cap for its staged
+    # transposed copy (150 registers uncapped, one CTA an SM).
     return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}{source}>", params,
                         _NUM_THREADS, smem_bytes, min_blocks_per_sm=2)
 
@@ -102,21 +103,26 @@ def empty_fp8_columns(k: int, m: int, num_groups: int, device: torch.device,
     return Fp8Columns(data, torch.empty(width // BLOCK, k, dtype=torch.float32, device=device), padded_offsets)
 
 
-def _check_storage(storage: torch.Tensor, nbytes: int, device: torch.device, inputs: dict) -> None:
-    """`storage` as `fp8_quantize_columns` takes it: a contiguous, 16-byte aligned tensor on
-    `device` of at least `nbytes` bytes, sharing no memory with `inputs`."""
+def storage_problem(storage, nbytes: int, device: torch.device, inputs: dict) -> Optional[str]:
+    """Why `storage` cannot hold `nbytes` of `fp8_quantize_columns`' output on `device` (it must be
+    a contiguous, 16-byte aligned tensor there of at least `nbytes` bytes, sharing no memory with
+    the tensors of `inputs`), or None if it can."""
     if not isinstance(storage, torch.Tensor):
-        raise TypeError(f"out_storage must be a torch.Tensor, got {type(storage).__name__}")
-    if not storage.is_contiguous() or storage.data_ptr() % 16 or storage.device != device:
-        raise ValueError(f"out_storage must be contiguous and 16-byte aligned on {device}")
+        return f"out_storage must be a torch.Tensor, got {type(storage).__name__}"
+    if storage.device != device:
+        return f"out_storage is on {storage.device}, the columns on {device}"
+    if not storage.is_contiguous() or storage.data_ptr() % 16:
+        return "out_storage must be contiguous and 16-byte aligned"
     size = storage.numel() * storage.element_size()
     if size < nbytes:
-        raise ValueError(f"out_storage holds {size} bytes, the columns need {nbytes}")
+        return f"out_storage holds {size} bytes, the columns need {nbytes}"
     begin = storage.data_ptr()
-    for name, t in inputs.items():
+    for name, t in inputs.items():  # (the span up to the last element: strided scales included)
         t_begin = t.data_ptr()
-        if begin < t_begin + t.numel() * t.element_size() and t_begin < begin + size:
-            raise ValueError(f"out_storage overlaps {name}")
+        t_end = t_begin + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if t.numel() and begin < t_end and t_begin < begin + size:
+            return f"out_storage overlaps {name}"
+    return None
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -179,7 +185,9 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
         tensors["row_index"] = row_index
     m, k = (data.shape[0] if row_index is None else row_index.numel()), data.shape[1]
     if out_storage is not None:
-        _check_storage(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
+        problem = storage_problem(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
+        if problem:
+            raise TypeError(problem) if not isinstance(out_storage, torch.Tensor) else ValueError(problem)
     if not data.is_cuda:
         source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
         rows, columns = fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,

@@ -2,8 +2,9 @@
 // The pieces of the FP8 quantization kernels (impls/fp8_quantize.cuh, impls/moe_swiglu_bwd_fp8.cuh):
 // a 128 x 128 bf16 tile in registers (or copied into shared memory in the same layout), its rows
 // quantized per 1 x 128 from registers, its columns per 128 x 1 through a bf16 copy in shared
-// memory and out through a transposed e4m3 stage there, and the groups' padded offsets of the transposed copies (each group's rows padded with
-// zeros to a multiple of 128, so that a scale block never holds two groups). 256 threads a CTA.
+// memory and out through a transposed e4m3 stage there, and the groups' padded offsets of the
+// transposed copies (each group's rows padded with zeros to a multiple of 128, so that a scale
+// block never holds two groups). 256 threads a CTA.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../ptx/cp_async.cuh"
