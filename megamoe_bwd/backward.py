@@ -264,7 +264,9 @@ def x_columns_storage(buffer: Optional[torch.Tensor], x: torch.Tensor | Fp8Rows,
         return None
     data = x.data if isinstance(x, Fp8Rows) else x
     nbytes = quant_kernels.fp8_columns_nbytes(data.shape[1], layout.num_slots, layout.offsets.numel() - 1)
-    if quant_kernels.storage_problem(buffer, nbytes, data.device, dict(x=data, row_token=layout.row_token)):
+    try:
+        quant_kernels.check_storage(buffer, nbytes, data.device, dict(x=data, row_token=layout.row_token))
+    except ValueError:
         return None
     torch.autograd.graph.increment_version(buffer)
     return buffer

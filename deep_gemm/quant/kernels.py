@@ -103,26 +103,24 @@ def empty_fp8_columns(k: int, m: int, num_groups: int, device: torch.device,
     return Fp8Columns(data, torch.empty(width // BLOCK, k, dtype=torch.float32, device=device), padded_offsets)
 
 
-def storage_problem(storage, nbytes: int, device: torch.device, inputs: dict) -> Optional[str]:
-    """Why `storage` cannot hold `nbytes` of `fp8_quantize_columns`' output on `device` (it must be
-    a contiguous, 16-byte aligned tensor there of at least `nbytes` bytes, sharing no memory with
-    the tensors of `inputs`), or None if it can."""
+def check_storage(storage: torch.Tensor, nbytes: int, device: torch.device, inputs: dict) -> None:
+    """Raises TypeError/ValueError unless `storage` can hold `nbytes` of `fp8_quantize_columns`'
+    output on `device`: a contiguous, 16-byte aligned tensor there (any dtype) of at least `nbytes`
+    bytes, sharing no memory with the tensors of `inputs`."""
     if not isinstance(storage, torch.Tensor):
-        return f"out_storage must be a torch.Tensor, got {type(storage).__name__}"
+        raise TypeError(f"out_storage must be a torch.Tensor, got {type(storage).__name__}")
+    check_tensor("out_storage", storage, storage.dtype, storage.dim())
     if storage.device != device:
-        return f"out_storage is on {storage.device}, the columns on {device}"
-    if not storage.is_contiguous() or storage.data_ptr() % 16:
-        return "out_storage must be contiguous and 16-byte aligned"
+        raise ValueError(f"out_storage is on {storage.device}, the columns on {device}")
     size = storage.numel() * storage.element_size()
     if size < nbytes:
-        return f"out_storage holds {size} bytes, the columns need {nbytes}"
+        raise ValueError(f"out_storage holds {size} bytes, the columns need {nbytes}")
     begin = storage.data_ptr()
     for name, t in inputs.items():  # (the span up to the last element: strided scales included)
         t_begin = t.data_ptr()
         t_end = t_begin + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
         if t.numel() and begin < t_end and t_begin < begin + size:
-            return f"out_storage overlaps {name}"
-    return None
+            raise ValueError(f"out_storage overlaps {name}")
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -185,9 +183,7 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
         tensors["row_index"] = row_index
     m, k = (data.shape[0] if row_index is None else row_index.numel()), data.shape[1]
     if out_storage is not None:
-        problem = storage_problem(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
-        if problem:
-            raise TypeError(problem) if not isinstance(out_storage, torch.Tensor) else ValueError(problem)
+        check_storage(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
     if not data.is_cuda:
         source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
         rows, columns = fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,
