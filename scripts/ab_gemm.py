@@ -4,7 +4,7 @@ relatively), and each case alternates the two, call for call, over many rounds, 
 GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
 
     python scripts/ab_gemm.py BASE_CHECKOUT [--models 30b,235b,v3] [--routing uniform,skewed] [--rounds 10]
-                              [--precision bf16|fp8]
+                              [--precision bf16|fp8] [--only wgrad1,wgrad2]
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
 and data gradients on m-grouped FP8, the weight gradients with fp32 output on k-grouped FP8) and
@@ -115,7 +115,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
+    parser.add_argument("--only", default=None, help="comma-separated prefixes of the GEMM labels to run (e.g. wgrad)")
     args = parser.parse_args()
+    only = tuple(args.only.split(",")) if args.only else ("",)
     require_sm90("ab_gemm.py")
     base = import_checkout(args.base, "deep_gemm_base")
     gen = torch.Generator().manual_seed(args.seed)
@@ -124,6 +126,8 @@ def main() -> None:
     worst = 0.0
     for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
         if args.precision == "fp8" and label not in FP8_CASES + ("fwd1 gather", "fwd1 swiglu"):
+            continue
+        if not label.startswith(only):
             continue
         inputs: dict = {}
         if args.precision == "fp8":

@@ -91,6 +91,11 @@ for dtype in (torch.float32, torch.bfloat16):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                    torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
                                                    c1.padded_offsets, accumulate=accumulate)
+# One CTA: its two warpgroups each walk many tiles through their own stages.
+deep_gemm.set_num_sms(1)
+deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
+                                           torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
+deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)
 # The FP8 layer, forward and backward.
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
 y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)

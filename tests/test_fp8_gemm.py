@@ -319,6 +319,21 @@ def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, o
     assert exact <= bar, f"sizes={sizes[:8]}... error {exact:.2e}, bar {bar:.2e}"
 
 
+@requires_sm90
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_weight_gradient_walks_many_groups_on_few_sms(num_sms):
+    """Each CTA's two warpgroups walk tiles of their own, so with few SMs a warpgroup's next tile
+    lies one or more groups on (some empty); every tile of every group is still written once."""
+    sizes = [(g % 5) * 70 for g in range(40)]  # 4 tiles a group, a fifth of the groups empty
+    previous = deep_gemm.get_num_sms()
+    deep_gemm.set_num_sms(num_sms)
+    try:
+        _, (exact, bar), _ = _run_k_grouped(sizes, 256, 256, torch.float32, False)
+    finally:
+        deep_gemm.set_num_sms(previous)
+    assert exact <= bar, f"error {exact:.2e}, bar {bar:.2e}"
+
+
 def _columns(rows=300, width=256, sizes=(100, 200), device="cpu"):
     offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=device)
     _, c = fp8_quantize_columns(torch.randn(rows, width, dtype=torch.bfloat16, device=device), offsets)

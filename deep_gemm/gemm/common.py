@@ -51,10 +51,12 @@ class GemmConfig:
         return f"{self.block_n}t{buffers}{'m' if self.multicast_b else ''}"
 
 
-def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, **kwargs) -> GemmConfig:
+def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, *,
+                stages_multiple: int = 1, **kwargs) -> GemmConfig:
     """The deepest pipeline that fits beside the two math warpgroups' epilogue staging (each
     warpgroup's `staging_bytes_per_warpgroup`), as the kernels' mma::GemmSmem lays it out (FP8:
-    with `scale_bytes_per_stage` for A's scales)."""
+    with `scale_bytes_per_stage` for A's scales); its stages a multiple of `stages_multiple` (a
+    kernel that splits them between its warpgroups)."""
     epilogue_bytes = 2 * staging_bytes_per_warpgroup
 
     def total(num_stages: int) -> int:
@@ -63,8 +65,9 @@ def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_
         scales = -(-num_stages * scale_bytes_per_stage // 1024) * 1024
         return num_stages * (BLOCK_M + block_n) * 128 + scales + epilogue_bytes + num_stages * 2 * _BARRIER_BYTES
 
-    num_stages = max((s for s in range(1, MAX_STAGES + 1) if total(s) <= SMEM_LIMIT), default=0)
-    if num_stages < 2:
+    num_stages = max((s for s in range(stages_multiple, MAX_STAGES + 1, stages_multiple) if total(s) <= SMEM_LIMIT),
+                     default=0)
+    if num_stages < 2 * stages_multiple:
         raise ValueError(f"block_n={block_n} with {epilogue_bytes} bytes of staging does not fit in shared memory")
     return GemmConfig(block_n, num_stages, total(num_stages), **kwargs)
 

@@ -27,20 +27,26 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
 _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 
+STORE_BUFFERS = 2  # 64-row x 128-byte staging buffers a warpgroup
+
+
 @functools.lru_cache(maxsize=None)
 def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
-    """128 x 128 tiles; tensor stores through two staging buffers, or row copies where a bf16
-    output accumulates (tensor reduce-adds serve fp32 here)."""
+    """128 x 128 tiles, one warpgroup each, the stages split evenly between the two warpgroups;
+    tensor stores through STORE_BUFFERS staging buffers, or row copies where a bf16 output
+    accumulates (tensor reduce-adds serve fp32 here)."""
     if accumulate and out_dtype != torch.float32:
-        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
-    return make_config(BLOCK_N, swizzled_staging_bytes(2), _SCALE_BYTES)
+        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, stages_multiple=2,
+                           row_copies=True)
+    return make_config(BLOCK_N, swizzled_staging_bytes(STORE_BUFFERS), _SCALE_BYTES, stages_multiple=2,
+                       store_buffers=STORE_BUFFERS)
 
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(out_dtype: torch.dtype, accumulate: bool) -> Kernel:
     config = get_config(out_dtype, accumulate)
     epilogue = k_grouped_epilogue(config, out_dtype, accumulate)
-    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages}, {epilogue}>"
+    kernel_type = f"deep_gemm::Sm90FP8KGroupedGemm<{BLOCK_N}, {config.num_stages // 2}, {epilogue}>"
     return build_kernel("sm90_fp8_k_grouped_gemm.cuh", "dg_sm90_fp8_k_grouped_gemm", kernel_type, PARAMS, NUM_THREADS,
                         config.smem_bytes)
 
@@ -123,5 +129,5 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         tensor_map_scales_a=make_tma_scales_desc(a_scales.T, BLOCK_M),
         tensor_map_scales_b=make_tma_scales_desc(b_scales.T, BLOCK_N),
         d=d.data_ptr(), group_offsets=padded_offsets.data_ptr(), m=m, n=n, rows=rows, num_groups=num_groups)
-    num_tiles = num_groups * (m // BLOCK_M) * (n // BLOCK_N)
-    kernel.launch(params, grid_size(kernel, num_tiles, device.index), device.index)
+    num_tiles = num_groups * (m // BLOCK_M) * (n // BLOCK_N)  # two a CTA at once, one a warpgroup
+    kernel.launch(params, grid_size(kernel, -(-num_tiles // 2), device.index), device.index)
