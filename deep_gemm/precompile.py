@@ -61,12 +61,14 @@ def all_kernels() -> list[tuple[str, Callable[[], Kernel]]]:
 
 
 def resource_report(kernel: Kernel) -> dict:
-    """ptxas' registers, spill and stack-frame bytes of a compiled kernel."""
+    """ptxas' registers, spill and stack-frame bytes of a compiled kernel, and whether ptxas
+    serialized its WGMMAs (its note C7520: each MMA then waits for the one before)."""
     log = (kernel.cubin.parent / "ptxas.log").read_text()
     return {
         "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
         "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill", log)),
         "stack_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes stack frame", log)),
+        "serialized_wgmma": "(C7520)" in log,
     }
 
 

@@ -1,6 +1,7 @@
-"""The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills, its
-parameter struct and shared memory match what the launcher packs and asks for (or it does not
-compile), and the disk cache returns a compiled kernel without recompiling. Needs nvcc, not a GPU."""
+"""The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills or
+serialized WGMMAs, its parameter struct and shared memory match what the launcher packs and asks
+for (or it does not compile), and the disk cache returns a compiled kernel without recompiling.
+Needs nvcc, not a GPU."""
 from __future__ import annotations
 
 import os
@@ -29,9 +30,9 @@ requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 
 @requires_nvcc
 @pytest.mark.parametrize("label,build", all_kernels(), ids=[k for k, _ in all_kernels()])
-def test_kernel_compiles_without_spills(label, build):
+def test_kernel_compiles_without_spills_or_serialized_mmas(label, build):
     report = resource_report(build())
-    assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0, report
+    assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0 and not report["serialized_wgmma"], report
 
 
 @requires_nvcc

@@ -7,10 +7,10 @@
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). The mainloop promotes every 128-token
 // block with its row and column scales (mma/pipeline_fp8.cuh).
 //
-// Each math warpgroup works on tiles of its own (128 x BLOCK_N, two 64-row blocks), fed by a
-// producer thread of its own through its own half of the stages: the two warpgroups are not in
-// step, so one's promotions and epilogue run while the other's MMAs keep the tensor cores busy
-// (docs/PERF.md, "Decisions": FP8 weight gradient). Every operand, scales included, comes by TMA.
+// Tiles of 256 x BLOCK_N, each math warpgroup 128 rows of them (two 64-row blocks): a k-block's
+// loads feed twice the MMAs of a 128-row tile, since what limits these kernels is how fast operands
+// reach the SM (docs/PERF.md, "Decisions": FP8 weight gradient). Every operand, scales included,
+// comes by TMA from one producer thread.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -31,19 +31,17 @@ struct alignas(128) KGroupedFp8GemmParams {
     uint32_t m, n, rows, num_groups;
 };
 
-template <uint32_t BLOCK_N, uint32_t kStagesPerWarpgroup, typename Epilogue>
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
-    static constexpr uint32_t BLOCK_M = 128;
-    static constexpr uint32_t kNumWarpgroups = mma::kNumMathThreads / 128;
-    static constexpr uint32_t kNumStages = kNumWarpgroups * kStagesPerWarpgroup;
+    static constexpr uint32_t BLOCK_M = 256;
+    static constexpr uint32_t kWarpgroupRows = BLOCK_M / (mma::kNumMathThreads / 128);
     static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
-    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, kNumWarpgroups * Epilogue::kStagingBytes, kScaleBytes>;
+    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
-    // Products of 64 x 64: a product's 32 scale products, made before the wait, fit beside the
-    // 128 x BLOCK_N accumulators and the fresh products.
-    static constexpr uint32_t kProductN = 64, kRowBlocks = BLOCK_M / 64;
-    static constexpr uint32_t kReleasesPerStage = 4;  // the four warps of the stage's warpgroup
+    // Products of 64 x 64: a product's 32 scale products, made before the wait, fit beside a
+    // warpgroup's 128 x BLOCK_N accumulators and the fresh products.
+    static constexpr uint32_t kProductN = 64, kRowBlocks = kWarpgroupRows / 64;
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -51,68 +49,67 @@ struct Sm90FP8KGroupedGemm {
         extern __shared__ __align__(1024) uint8_t smem_buffer[];
         const Smem smem{smem_buffer};
 
-        start_gemm<0, 1, kReleasesPerStage>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        start_gemm<0, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
         if (threadIdx.x == 0)
             Epilogue::prefetch(p);
 
-        // Warpgroup w (and producer warp w) walks tiles 2 blockIdx.x + w, stepping by 2 gridDim.x.
-        const auto make_scheduler = [&](uint32_t wg) {
-            return Scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows, blockIdx.x * kNumWarpgroups + wg,
-                             gridDim.x * kNumWarpgroups);
-        };
+        Scheduler scheduler(p.group_offsets, p.num_groups, p.m, p.n, p.rows);
         typename Scheduler::Tile tile;
         PipelineState pipe;
 
         if (threadIdx.x >= kNumMathThreads) {
             ptx::warpgroup_reg_dealloc<kProducerRegs>();
-            const uint32_t wg = (threadIdx.x - kNumMathThreads) / 32;  // the warpgroup this warp feeds
-            if (wg >= kNumWarpgroups or ptx::lane_idx() != 0)
+            if (threadIdx.x != kNumMathThreads)
                 return;
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
-            const StageRing<Smem> ring{smem, wg * kStagesPerWarpgroup};
-            Scheduler scheduler = make_scheduler(wg);
             while (scheduler.next(tile)) {
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                produce_k_blocks<kStagesPerWarpgroup, Smem::kBytesPerStage>(ring, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
-                    ptx::tma_load_2d(ring.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
-                    ptx::tma_load_2d(ring.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
-                    ptx::tma_load_2d(ring.scales(stage), &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
-                    ptx::tma_load_2d(ring.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin,
+                    ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
+                    ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
+                    ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
+                    ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin,
                                      k / BLOCK_K_FP8);
                 });
             }
         } else {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = ptx::warpgroup_idx();
-            const StageRing<Smem> ring{smem, wg * kStagesPerWarpgroup};
-            Scheduler scheduler = make_scheduler(wg);
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            const uint32_t scale_row = epilogue::warpgroup_accumulator_row();
+            const uint32_t scale_row = wg * kWarpgroupRows + epilogue::warpgroup_accumulator_row();
             float acc[kRowBlocks * BLOCK_N / 2];  // row block r's 64 x BLOCK_N from acc + r * BLOCK_N / 2
-            while (scheduler.next(tile)) {
+            // The next tile is found while this tile's first MMAs run. (Found after the epilogue
+            // instead, ptxas gives this code none of setmaxnreg's extra registers and spills.)
+            typename Scheduler::Tile upcoming;
+            bool more = scheduler.next(tile);
+            while (more) {
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                if (Epilogue::kAccumulates and num_k_blocks == 0)
-                    continue;  // an empty group adds nothing
+                if (Epilogue::kAccumulates and num_k_blocks == 0) {  // an empty group adds nothing
+                    more = scheduler.next(tile);
+                    continue;
+                }
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kStagesPerWarpgroup, 1, kRowBlocks>(
-                    ring, pipe, num_k_blocks, 0, acc,
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1, kRowBlocks>(
+                    smem, pipe, num_k_blocks, wg * kWarpgroupRows * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t, uint32_t product) {
                         constexpr uint32_t kColumnProducts = BLOCK_N / kProductN;
-                        const float* rows = ring.scales(stage) + product / kColumnProducts * 64 + scale_row;
-                        const float* cols = ring.scales(stage) + BLOCK_M + product % kColumnProducts * kProductN;
+                        const float* rows = smem.scales(stage) + product / kColumnProducts * 64 + scale_row;
+                        const float* cols = smem.scales(stage) + BLOCK_M + product % kColumnProducts * kProductN;
                         return RowColumnScales<kProductN / 2>(rows[0], rows[8], cols);
                     },
-                    [](uint32_t) {});
+                    [](uint32_t) {}, [&] { more = scheduler.next(upcoming); });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 #pragma unroll
                 for (uint32_t r = 0; r < kRowBlocks; ++r)
                     Epilogue::store(*reinterpret_cast<const float(*)[BLOCK_N / 2]>(acc + r * BLOCK_N / 2), p,
-                                    tile.group, tile.m_begin + r * 64, tile.n_begin, staging, 2 + wg);
+                                    tile.group, tile.m_begin + wg * kWarpgroupRows + r * 64, tile.n_begin, staging,
+                                    2 + wg);
                 timeline::mark(timeline::kEpilogueEnd, tile.group);
+                tile = upcoming;
             }
             Epilogue::drain();
         }

@@ -69,23 +69,6 @@ struct GemmSmem {
     }
 };
 
-// Consecutive stages of a GemmSmem from `first` on, seen as a pipeline of their own numbered from
-// 0: a warpgroup's share when each math warpgroup works on its own tiles (the producer thread
-// feeding it and its mainloop both index the ring, each advancing over the share's size).
-template <typename Smem>
-struct StageRing {
-    static constexpr uint32_t kBytesA = Smem::kBytesA, kBytesB = Smem::kBytesB, kBytesPerStage = Smem::kBytesPerStage;
-
-    Smem smem;
-    uint32_t first;
-
-    __device__ __forceinline__ uint8_t* a(uint32_t stage) const { return smem.a(first + stage); }
-    __device__ __forceinline__ uint8_t* b(uint32_t stage) const { return smem.b(first + stage); }
-    __device__ __forceinline__ float* scales(uint32_t stage) const { return smem.scales(first + stage); }
-    __device__ __forceinline__ ptx::MBarrier* full(uint32_t stage) const { return smem.full(first + stage); }
-    __device__ __forceinline__ ptx::MBarrier* empty(uint32_t stage) const { return smem.empty(first + stage); }
-};
-
 // Every GEMM kernel's start: the producer thread prefetches the tensor maps, thread 0
 // initialises the barriers (empty ones counting `kReleasesPerCta` arrivals a CTA), and the CTA (the cluster, with kClusterSize > 1) syncs before any
 // role touches them. `kNumCopyThreads` producer threads also fill stages with cp.async (see

@@ -108,8 +108,6 @@ struct MGroupedScheduler {
 // (consecutive blockIdx.x) walks the tiles together: its CTAs take kClusterM consecutive M
 // blocks at the same N block, so that they share (multicast) B's tile; an M block past M still
 // loads and multiplies (its share of B feeds the others), its rows are clipped at the store.
-// The walkers are the CTAs (clusters) by default; a kernel whose warpgroups each take their own
-// tiles passes its own numbering (`walker` of `num_walkers`).
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kClusterM = 1>
 struct KGroupedScheduler {
     struct Tile {
@@ -118,34 +116,26 @@ struct KGroupedScheduler {
 
     const int* offsets;
     uint32_t num_groups, num_n_blocks, num_tiles_per_group, num_rows_total;
-    uint32_t next_tile, num_walkers;
-    Divisor n_blocks;
-    uint32_t group = 0, group_tile_begin = 0;  // the walk's group and its first tile, counted along
+    uint32_t next_tile;
 
     __device__ __forceinline__ KGroupedScheduler(const int* offsets, uint32_t num_groups, uint32_t m, uint32_t n,
-                                                 uint32_t rows, uint32_t walker = blockIdx.x / kClusterM,
-                                                 uint32_t num_walkers = gridDim.x / kClusterM)
+                                                 uint32_t rows)
         : offsets(offsets), num_groups(num_groups), num_n_blocks(ptx::ceil_div(n, BLOCK_N)),
           num_tiles_per_group(ptx::ceil_div(m, BLOCK_M * kClusterM) * ptx::ceil_div(n, BLOCK_N)),
-          num_rows_total(rows), next_tile(walker), num_walkers(num_walkers), n_blocks(max(num_n_blocks, 1u)) {}
+          num_rows_total(rows), next_tile(blockIdx.x / kClusterM) {}
 
-    // (The group is found by walking, not by a division: with the division here, ptxas gave the
-    // FP8 kernel's math warpgroups none of setmaxnreg's extra registers and spilled.)
     __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
-        next_tile += num_walkers;
-        while (group < num_groups and idx >= group_tile_begin + num_tiles_per_group)
-            group_tile_begin += num_tiles_per_group, ++group;
-        if (group >= num_groups)
+        next_tile += gridDim.x / kClusterM;
+        if (idx >= num_groups * num_tiles_per_group)
             return false;
-        uint32_t n_block;
-        const uint32_t m_block = n_blocks.divide(idx - group_tile_begin, n_block) * kClusterM +
-                                 (kClusterM > 1 ? ptx::cluster_cta_rank() : 0);
-        tile.group = group;
+        tile.group = idx / num_tiles_per_group;
+        const uint32_t local = idx % num_tiles_per_group;
+        const uint32_t m_block = (local / num_n_blocks) * kClusterM + (kClusterM > 1 ? ptx::cluster_cta_rank() : 0);
         tile.m_begin = m_block * BLOCK_M;
-        tile.n_begin = n_block * BLOCK_N;
-        tile.k_begin = ptx::clamped_offset(offsets, group, 0, num_rows_total);
-        tile.k_end = ptx::clamped_offset(offsets, group + 1, tile.k_begin, num_rows_total);
+        tile.n_begin = (local % num_n_blocks) * BLOCK_N;
+        tile.k_begin = ptx::clamped_offset(offsets, tile.group, 0, num_rows_total);
+        tile.k_end = ptx::clamped_offset(offsets, tile.group + 1, tile.k_begin, num_rows_total);
         return true;
     }
 };
