@@ -91,7 +91,7 @@ for dtype in (torch.float32, torch.bfloat16):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                    torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
                                                    c1.padded_offsets, accumulate=accumulate)
-# One CTA: its two warpgroups each walk many tiles through their own stages.
+# One CTA walks every tile (its next tile found during the first MMAs of the current one).
 deep_gemm.set_num_sms(1)
 deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                            torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)

@@ -322,8 +322,8 @@ def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, o
 @requires_sm90
 @pytest.mark.parametrize("num_sms", [1, 3])
 def test_weight_gradient_walks_many_groups_on_few_sms(num_sms):
-    """Each CTA's two warpgroups walk tiles of their own, so with few SMs a warpgroup's next tile
-    lies one or more groups on (some empty); every tile of every group is still written once."""
+    """With few SMs each CTA walks many tiles, finding the next one (one or more groups on, some
+    empty) while the current one's first MMAs run; every tile of every group is written once."""
     sizes = [(g % 5) * 70 for g in range(40)]  # 4 tiles a group, a fifth of the groups empty
     previous = deep_gemm.get_num_sms()
     deep_gemm.set_num_sms(num_sms)

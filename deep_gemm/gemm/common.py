@@ -51,18 +51,17 @@ class GemmConfig:
         return f"{self.block_n}t{buffers}{'m' if self.multicast_b else ''}"
 
 
-def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, *,
-                block_m: int = BLOCK_M, **kwargs) -> GemmConfig:
+def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, **kwargs) -> GemmConfig:
     """The deepest pipeline that fits beside the two math warpgroups' epilogue staging (each
     warpgroup's `staging_bytes_per_warpgroup`), as the kernels' mma::GemmSmem lays it out (FP8:
-    with `scale_bytes_per_stage` for the scales) for block_m x block_n tiles."""
+    with `scale_bytes_per_stage` for A's scales)."""
     epilogue_bytes = 2 * staging_bytes_per_warpgroup
 
     def total(num_stages: int) -> int:
         # A and B tiles of 128-byte rows (64 bf16 or 128 fp8 of K), the scales padded to 1024
         # bytes (the epilogue's alignment), the staging, full and empty barriers
         scales = -(-num_stages * scale_bytes_per_stage // 1024) * 1024
-        return num_stages * (block_m + block_n) * 128 + scales + epilogue_bytes + num_stages * 2 * _BARRIER_BYTES
+        return num_stages * (BLOCK_M + block_n) * 128 + scales + epilogue_bytes + num_stages * 2 * _BARRIER_BYTES
 
     num_stages = max((s for s in range(1, MAX_STAGES + 1) if total(s) <= SMEM_LIMIT), default=0)
     if num_stages < 2:

@@ -15,11 +15,11 @@ from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
 from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
-from .common import (NUM_THREADS, GemmConfig, fp8_operand, grid_size, k_grouped_epilogue, make_config,
+from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, k_grouped_epilogue, make_config,
                      row_staging_bytes, swizzled_staging_bytes)
 
 BLOCK_K = 128  # tokens a stage: one scale block
-BLOCK_M, BLOCK_N = 256, 128  # 128 rows a math warpgroup
+BLOCK_N = 128
 PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
     ("tensor_map_scales_a", "tensor_map"), ("tensor_map_scales_b", "tensor_map"), ("d", "ptr"),
@@ -27,18 +27,13 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
 _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 
-STORE_BUFFERS = 2  # 64-row x 128-byte staging buffers a warpgroup
-
-
 @functools.lru_cache(maxsize=None)
 def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
-    """256 x 128 tiles; tensor stores through STORE_BUFFERS staging buffers, or row copies where
-    a bf16 output accumulates (tensor reduce-adds serve fp32 here)."""
+    """128 x 128 tiles; tensor stores through two staging buffers, or row copies where a bf16
+    output accumulates (tensor reduce-adds serve fp32 here)."""
     if accumulate and out_dtype != torch.float32:
-        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, block_m=BLOCK_M,
-                           row_copies=True)
-    return make_config(BLOCK_N, swizzled_staging_bytes(STORE_BUFFERS), _SCALE_BYTES, block_m=BLOCK_M,
-                       store_buffers=STORE_BUFFERS)
+        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
+    return make_config(BLOCK_N, swizzled_staging_bytes(2), _SCALE_BYTES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,5 +123,5 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         tensor_map_scales_a=make_tma_scales_desc(a_scales.T, BLOCK_M),
         tensor_map_scales_b=make_tma_scales_desc(b_scales.T, BLOCK_N),
         d=d.data_ptr(), group_offsets=padded_offsets.data_ptr(), m=m, n=n, rows=rows, num_groups=num_groups)
-    num_tiles = num_groups * -(-m // BLOCK_M) * (n // BLOCK_N)
+    num_tiles = num_groups * (m // BLOCK_M) * (n // BLOCK_N)
     kernel.launch(params, grid_size(kernel, num_tiles, device.index), device.index)

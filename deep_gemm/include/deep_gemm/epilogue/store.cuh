@@ -165,16 +165,14 @@ __device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
 // (a reduce-add with `kAccumulate`, fp32 only); the hardware clips rows and columns past the
 // tensor's ends. Chunks go in batches of kNumBuffers / 2, one fence and two barriers each; the
 // two halves of the buffers take batches in turn, so a batch is written while the previous
-// one drains, and the last batch's stores overlap the next tile's MMAs. With one buffer each
-// chunk waits for the previous one's store to have read it. Thread 0 of the warpgroup issues the
-// stores: call `drain_bulk_stores` before the kernel exits.
+// one drains, and the last batch's stores overlap the next tile's MMAs. Thread 0 of the
+// warpgroup issues the stores: call `drain_bulk_stores` before the kernel exits.
 template <uint32_t BLOCK_N, typename OutT, bool kAccumulate, uint32_t kNumBuffers = 2>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging, uint32_t barrier_id,
                                                const CUtensorMap* desc, uint32_t n, uint32_t m, uint32_t g) {
     using Layout = SwizzledStaging<OutT, kNumBuffers>;
-    constexpr uint32_t kNumHalves = kNumBuffers > 1 ? 2 : 1;
-    constexpr uint32_t kNumChunks = BLOCK_N / Layout::kChunkN, kBatch = kNumBuffers / kNumHalves;
-    static_assert(BLOCK_N % Layout::kChunkN == 0 and kNumBuffers % kNumHalves == 0);
+    constexpr uint32_t kNumChunks = BLOCK_N / Layout::kChunkN, kBatch = kNumBuffers / 2;
+    static_assert(BLOCK_N % Layout::kChunkN == 0 and kNumBuffers % 2 == 0);
     // Batch b of every tile uses half b % 2: the turn continues across tiles.
     static_assert(kNumChunks % kNumBuffers == 0, "a tile's chunks fill the buffers a whole number of times");
     static_assert(not kAccumulate or std::is_same_v<OutT, float>, "tensor reduce-add is used for fp32 only");
@@ -182,9 +180,9 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
 
     #pragma unroll
     for (uint32_t batch = 0; batch < kNumChunks / kBatch; ++batch) {
-        uint8_t* half = staging + (batch % kNumHalves) * kBatch * Layout::kBufferBytes;
-        if (thread == 0)  // one bulk group per batch: the one that last read this half (kNumHalves back) is done with it
-            ptx::bulk_wait_group_read<kNumHalves - 1>();
+        uint8_t* half = staging + (batch % 2) * kBatch * Layout::kBufferBytes;
+        if (thread == 0)  // one bulk group per batch: the one that last read this half (two back) is done with it
+            ptx::bulk_wait_group_read<1>();
         ptx::named_barrier_sync(barrier_id, 128);
 
         #pragma unroll

@@ -4,13 +4,9 @@
 // Fp8Columns (docs/DESIGN.md, "Blockwise FP8"): A [M, Mp] and B [N, Mp] e4m3, K-major, each
 // group's tokens padded with zeros to a multiple of 128 (group_offsets: the padded offsets), one
 // scale per 128 tokens x 1 column of each. D [G, M, N] fp32 or bf16, written or added to as the
-// k-grouped Epilogue policy says (epilogue/k_grouped.cuh). The mainloop promotes every 128-token
-// block with its row and column scales (mma/pipeline_fp8.cuh).
-//
-// Tiles of 256 x BLOCK_N, each math warpgroup 128 rows of them (two 64-row blocks): a k-block's
-// loads feed twice the MMAs of a 128-row tile, since what limits these kernels is how fast operands
-// reach the SM (docs/PERF.md, "Decisions": FP8 weight gradient). Every operand, scales included,
-// comes by TMA from one producer thread.
+// k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
+// kernel's; the mainloop promotes every 128-token block with its row and column scales
+// (mma/pipeline_fp8.cuh). Every operand, scales included, comes by TMA from one producer thread.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -33,15 +29,14 @@ struct alignas(128) KGroupedFp8GemmParams {
 
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
-    static constexpr uint32_t BLOCK_M = 256;
-    static constexpr uint32_t kWarpgroupRows = BLOCK_M / (mma::kNumMathThreads / 128);
+    static constexpr uint32_t BLOCK_M = 128;
     static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
-    // Products of 64 x 64: a product's 32 scale products, made before the wait, fit beside a
-    // warpgroup's 128 x BLOCK_N accumulators and the fresh products.
-    static constexpr uint32_t kProductN = 64, kRowBlocks = kWarpgroupRows / 64;
+    // One 128-column product a k-block, its 64 scale products made before the wait (docs/PERF.md,
+    // "Decisions": FP8 weight gradient).
+    static constexpr uint32_t kProductN = 128;
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -80,10 +75,10 @@ struct Sm90FP8KGroupedGemm {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            const uint32_t scale_row = wg * kWarpgroupRows + epilogue::warpgroup_accumulator_row();
-            float acc[kRowBlocks * BLOCK_N / 2];  // row block r's 64 x BLOCK_N from acc + r * BLOCK_N / 2
+            const uint32_t scale_row = accumulator_row();
+            float acc[BLOCK_N / 2];
             // The next tile is found while this tile's first MMAs run. (Found after the epilogue
-            // instead, ptxas gives this code none of setmaxnreg's extra registers and spills.)
+            // instead, ptxas gives this code none of setmaxnreg's extra registers: it spills.)
             typename Scheduler::Tile upcoming;
             bool more = scheduler.next(tile);
             while (more) {
@@ -93,21 +88,16 @@ struct Sm90FP8KGroupedGemm {
                     continue;
                 }
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1, kRowBlocks>(
-                    smem, pipe, num_k_blocks, wg * kWarpgroupRows * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t, uint32_t product) {
-                        constexpr uint32_t kColumnProducts = BLOCK_N / kProductN;
-                        const float* rows = smem.scales(stage) + product / kColumnProducts * 64 + scale_row;
-                        const float* cols = smem.scales(stage) + BLOCK_M + product % kColumnProducts * kProductN;
-                        return RowColumnScales<kProductN / 2>(rows[0], rows[8], cols);
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1>(
+                    smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
+                    [&](uint32_t stage, uint32_t, uint32_t cols) {
+                        const float* rows = smem.scales(stage) + scale_row;
+                        return RowColumnScales<kProductN / 2>(rows[0], rows[8],
+                                                              smem.scales(stage) + BLOCK_M + cols * kProductN);
                     },
                     [](uint32_t) {}, [&] { more = scheduler.next(upcoming); });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
-                #pragma unroll
-                for (uint32_t r = 0; r < kRowBlocks; ++r)
-                    Epilogue::store(*reinterpret_cast<const float(*)[BLOCK_N / 2]>(acc + r * BLOCK_N / 2), p,
-                                    tile.group, tile.m_begin + wg * kWarpgroupRows + r * 64, tile.n_begin, staging,
-                                    2 + wg);
+                Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);
                 timeline::mark(timeline::kEpilogueEnd, tile.group);
                 tile = upcoming;
             }

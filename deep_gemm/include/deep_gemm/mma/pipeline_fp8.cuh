@@ -64,9 +64,9 @@ struct RowColumnScales {
 };
 
 // f(std::integral_constant<uint32_t, c>) for each c of the sequence, in order.
-template <uint32_t... kIdx, typename F>
-__device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t, kIdx...>, const F& f) {
-    (f(std::integral_constant<uint32_t, kIdx>{}), ...);
+template <uint32_t... kCols, typename F>
+__device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t, kCols...>, const F& f) {
+    (f(std::integral_constant<uint32_t, kCols>{}), ...);
 }
 
 // consume_k_blocks_fp8's `after_first` by default: nothing.
@@ -74,31 +74,27 @@ struct NoWork {
     __device__ __forceinline__ void operator()() const {}
 };
 
-// One math warpgroup's FP8 mainloop over (64 kRowBlocks) x BLOCK_N, in products of 64 rows x
-// kProductN columns (m64nNk32 MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the
-// second after the first's, which is the m64n256 layout the epilogues read). Row block r reads A's
-// rows 64 r on from `a_offset` and holds accumulators [r BLOCK_N / 2, (r + 1) BLOCK_N / 2).
-// Products go row block by row block, columns inside; `product` below counts them so.
-// `scales(stage, k_block, product)` returns the scales of a k-block's product (RowScales,
-// RowColumnScales); it runs while that product's MMAs are in flight and may read the stage (scales
-// in shared memory), the promotion may not: each warp releases the stage once the k-block's last
-// MMAs are done, before promoting them, so that the producer refills it while this warpgroup
-// promotes. `before_mma(stage)` runs after the stage has landed and before any MMA reads it;
-// `after_first()` once the tile's first MMAs are issued (work that then overlaps them, e.g. the
-// scheduler's next tile; also called when there is no k-block).
+// One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of kProductN columns (m64nNk32
+// MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
+// is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
+// k-block's product `cols` (RowScales, RowColumnScales); it runs while that product's MMAs are in
+// flight and may read the stage (scales in shared memory), the promotion may not: each warp
+// releases the stage once the k-block's last MMAs are done, before promoting them, so that the
+// producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
+// landed and before any MMA reads it; `after_first()` once the tile's first MMAs are issued (work
+// that then overlaps them, e.g. the scheduler's next tile; also called when there is no k-block).
 // kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer).
-template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
-          uint32_t kRowBlocks = 1, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
+template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem,
+          typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
-                                                     uint32_t a_offset, float (&acc)[kRowBlocks * BLOCK_N / 2],
+                                                     uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma,
                                                      const AfterFirst& after_first = {}) {
     constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
-    constexpr uint32_t kNumColumnProducts = BLOCK_N / kProductN;
-    constexpr uint32_t kNumProducts = kRowBlocks * kNumColumnProducts;  // a k-block's
+    constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
                   (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
     timeline::mark(timeline::kTileStart, num_k_blocks);
@@ -111,16 +107,15 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     const uint64_t desc_a0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0));
     const uint64_t desc_b0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.b(0), 0));
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
-    // Product `product` (a std::integral_constant) of the next stage's k-block; the first waits
-    // for the stage, the last moves on to the next.
-    const auto issue = [&](Part& part, auto product) {
-        constexpr uint32_t kProductIdx = decltype(product)::value;
-        constexpr uint32_t kRows = kProductIdx / kNumColumnProducts, kCols = kProductIdx % kNumColumnProducts;
+    // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
+    // the stage, the last moves on to the next.
+    const auto issue = [&](Part& part, auto cols) {
+        constexpr uint32_t kCols = decltype(cols)::value;
         // (the descriptors are made before the wait, so the first MMA issues right after it)
         const uint32_t stage = __shfl_sync(0xffffffff, next.stage, 0);  // (uniform too, as the bases)
-        const uint64_t desc_a = advance_desc(desc_a0, stage * Smem::kBytesA + kRows * 64 * kSwizzleBytes);
+        const uint64_t desc_a = advance_desc(desc_a0, stage * Smem::kBytesA);
         const uint64_t desc_b = advance_desc(desc_b0, stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
-        if constexpr (kProductIdx == 0) {
+        if constexpr (kCols == 0) {
             smem.full(next.stage)->wait(next.phase);
             timeline::mark(timeline::kStageLanded, next.stage);
             before_mma(next.stage);
@@ -132,23 +127,23 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
             WGMMAFp8<kProductN>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
         warpgroup_commit_batch();
         warpgroup_fence_operand(part);
-        if constexpr (kProductIdx + 1 == kNumProducts)
+        if constexpr (kCols + 1 == kNumProducts)
             next.template advance<kNumStages>();
     };
-    // Product `product` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer
-    // MMA batches are left in flight; after the block's last product's MMAs the stage is released.
-    const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto product) {
-        constexpr uint32_t kProductIdx = decltype(product)::value;
-        const auto s = scales(pipe.stage, k_block, kProductIdx);
+    // Product `cols` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer MMA
+    // batches are left in flight; after the block's last product's MMAs the stage is released.
+    const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols) {
+        constexpr uint32_t kCols = decltype(cols)::value;
+        const auto s = scales(pipe.stage, k_block, kCols);
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
-        if constexpr (kProductIdx + 1 == kNumProducts) {
+        if constexpr (kCols + 1 == kNumProducts) {
             __syncwarp();  // every lane's reads of the stage before lane 0 releases it
             if (releases)
                 smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
         }
-        s.promote(part, *reinterpret_cast<Part*>(acc + kProductIdx * kProduct));
+        s.promote(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
     };
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;
@@ -158,15 +153,15 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         return;
     }
     if constexpr (kNumProductSets == 1) {
-        for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto product) {
-            issue(part0, product);
-            if constexpr (decltype(product)::value == 0)
+        for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
+            issue(part0, cols);
+            if constexpr (decltype(cols)::value == 0)
                 after_first();
-            promote(kNoneNewer, part0, 0, product);
+            promote(kNoneNewer, part0, 0, cols);
         });
         for (uint32_t k_block = 1; k_block < num_k_blocks; ++k_block)
-            for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto product) {
-                issue(part0, product), promote(kNoneNewer, part0, k_block, product);
+            for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
+                issue(part0, cols), promote(kNoneNewer, part0, k_block, cols);
             });
         return;
     }
