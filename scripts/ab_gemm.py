@@ -7,8 +7,8 @@ GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
                               [--precision bf16|fp8] [--only wgrad1,wgrad2]
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
-and data gradients on m-grouped FP8, the weight gradients with fp32 output on k-grouped FP8) and
-the FP8 layer's two variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
+and data gradients on m-grouped FP8, the weight gradients with bf16 and fp32 output on k-grouped
+FP8) and the FP8 layer's two variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
 tokens; "fwd1 swiglu": SwiGLU with act written in e4m3), on operands this checkout quantizes
 once for both trees. Prints per case the medians (ms) of each
 tree's per-round medians and new / base. Needs a Hopper GPU.
@@ -82,7 +82,8 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
             (_, inputs["a"]), (_, inputs["b"]) = (fp8_quantize_columns(torch.randn(rows, dim, device="cuda",
                                                                                   dtype=torch.bfloat16), offsets)
                                                   for dim in (d1, d2))
-            inputs["d"] = torch.empty(num_groups, d1, d2, device="cuda", dtype=torch.float32)
+            out_dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
+            inputs["d"] = torch.empty(num_groups, d1, d2, device="cuda", dtype=out_dtype)
         else:
             n, k = d1, d2
             forward = label.startswith("fwd")

@@ -16,8 +16,9 @@ output); the "wgrad1" and "wgrad2" rows of the same run have torch's bf16 GEMM a
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
 torch's interleaved in rounds so clock drift hits both alike.
 
-`--precision fp8` times the blockwise-FP8 GEMMs of the same six (weight gradients with fp32
-output) on operands quantized beforehand (scripts/bench_fp8_quant.py times the quantization),
+`--precision fp8` times the blockwise-FP8 GEMMs of the same six (weight gradients with bf16
+output, as the layer writes them for bf16 parameters, and with fp32 output) on operands quantized
+beforehand (scripts/bench_fp8_quant.py times the quantization),
 against our bf16 GEMM of the same shape and torch._scaled_grouped_mm with rowwise e4m3 scales
 and fast accumulation, all three in one run. torch's weight-gradient form refuses empty groups
 and groups that are not multiples of 16, so it gets every group padded with zero rows to a
@@ -149,7 +150,7 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
     return ours_ms, torch_ms, err, flops, swept
 
 
-FP8_CASES = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1 fp32", "wgrad2 fp32")
+FP8_CASES = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "wgrad1 fp32", "wgrad2 fp32")
 
 
 def _sliced_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -188,8 +189,9 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) 
         a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         (_, qa), (_, qb) = fp8_quantize_columns(a, offsets), fp8_quantize_columns(b, offsets)
-        d = torch.empty(num_groups, m, n, device="cuda", dtype=torch.float32)
-        d_bf16 = torch.empty_like(d)
+        out_dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
+        d = torch.empty(num_groups, m, n, device="cuda", dtype=out_dtype)
+        d_bf16 = torch.empty_like(d)  # (our bf16 GEMM, the same output dtype)
         ours = lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,  # noqa: E731
                                                                   qa.padded_offsets)
         bf16 = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d_bf16, offsets)  # noqa: E731
