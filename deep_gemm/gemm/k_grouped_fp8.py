@@ -29,11 +29,13 @@ _SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
 
 @functools.lru_cache(maxsize=None)
 def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
-    """128 x 128 tiles; tensor stores through two staging buffers, or row copies where a bf16
-    output accumulates (tensor reduce-adds serve fp32 here)."""
+    """128 x 128 tiles; tensor stores through staging buffers (fp32: four a warpgroup, a tile's
+    four 32-column chunks in two batches, docs/PERF.md "Decisions"; bf16: two, its two 64-column
+    chunks), or row copies where a bf16 output accumulates (tensor reduce-adds serve fp32 here)."""
     if accumulate and out_dtype != torch.float32:
         return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES, row_copies=True)
-    return make_config(BLOCK_N, swizzled_staging_bytes(2), _SCALE_BYTES)
+    buffers = 4 if out_dtype == torch.float32 else 2
+    return make_config(BLOCK_N, swizzled_staging_bytes(buffers), _SCALE_BYTES, store_buffers=buffers)
 
 
 @functools.lru_cache(maxsize=None)
