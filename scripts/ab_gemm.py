@@ -73,8 +73,9 @@ def make_call(lib, kind: str, d1: int, d2: int, sizes: list, out_dtype: torch.dt
     return lambda: lib.k_grouped_bf16_gemm_tn_contiguous(a, b, d, offsets)
 
 
-def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
-    """One FP8 GEMM of `bench_gemm.py`'s FP8 case `label` through library `lib`, on shared inputs."""
+def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, out_dtype: torch.dtype, inputs: dict):
+    """One FP8 GEMM of `bench_gemm.py`'s FP8 case `label` through library `lib`, on shared inputs
+    (`out_dtype`: the weight gradients' output)."""
     rows, num_groups = sum(sizes), len(sizes)
     if "offsets" not in inputs:
         inputs["offsets"] = offsets = offsets_from_sizes(sizes)
@@ -82,7 +83,6 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, inputs: dict):
             (_, inputs["a"]), (_, inputs["b"]) = (fp8_quantize_columns(torch.randn(rows, dim, device="cuda",
                                                                                   dtype=torch.bfloat16), offsets)
                                                   for dim in (d1, d2))
-            out_dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
             inputs["d"] = torch.empty(num_groups, d1, d2, device="cuda", dtype=out_dtype)
         else:
             n, k = d1, d2
@@ -132,8 +132,8 @@ def main() -> None:
             continue
         inputs: dict = {}
         if args.precision == "fp8":
-            calls = {"new": make_fp8_call(deep_gemm, label, d1, d2, sizes, inputs),
-                     "base": make_fp8_call(base, label, d1, d2, sizes, inputs)}
+            calls = {"new": make_fp8_call(deep_gemm, label, d1, d2, sizes, out_dtype, inputs),
+                     "base": make_fp8_call(base, label, d1, d2, sizes, out_dtype, inputs)}
         else:
             calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
                      "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}

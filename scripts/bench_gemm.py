@@ -177,10 +177,10 @@ def _upstream_m_grouped(upstream, x: torch.Tensor, b_nk: torch.Tensor, sizes: li
     return lambda: upstream.m_grouped_fp8_fp4_gemm_nt_contiguous(a_fp8, b_fp8, d, m_indices, disable_ue8m0_cast=True)
 
 
-def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) -> dict:
+def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torch.dtype, upstream=None) -> dict:
     """ms of ours (FP8), our bf16 GEMM, torch's FP8 rowwise GEMM and (m-grouped, with `upstream`)
     upstream DeepGEMM's, FLOPs, and the two FP8 errors against the fp32 product of the bf16
-    operands."""
+    operands; `out_dtype`: the weight gradients' output (the m-grouped GEMMs write bf16)."""
     upstream_fn = None
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
@@ -189,7 +189,6 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], upstream=None) 
         a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         (_, qa), (_, qb) = fp8_quantize_columns(a, offsets), fp8_quantize_columns(b, offsets)
-        out_dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
         d = torch.empty(num_groups, m, n, device="cuda", dtype=out_dtype)
         d_bf16 = torch.empty_like(d)  # (our bf16 GEMM, the same output dtype)
         ours = lambda: deep_gemm.k_grouped_fp8_gemm_tn_contiguous((qa.data, qa.scales), (qb.data, qb.scales), d,  # noqa: E731
@@ -325,7 +324,7 @@ def main() -> None:
         for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
             if label not in FP8_CASES or (args.only and label not in args.only.split(",")):
                 continue
-            r = run_fp8_case(label, d1, d2, sizes, upstream)
+            r = run_fp8_case(label, d1, d2, sizes, out_dtype, upstream)
             shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
             line = (f"{model:<5} {routing:<7} {label:<12} {shape:<18} {r['ours']:>8.3f} {r['flops'] / r['ours'] / 1e9:>7.0f} "
                     f"{r['bf16'] / r['ours']:>6.2f}x {r['torch']:>9.3f} {r['flops'] / r['torch'] / 1e9:>7.0f} "

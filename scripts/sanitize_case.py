@@ -70,10 +70,6 @@ for pow2 in (False, True):
     fp8_quantize_rows(x8, power_of_two_scales=pow2)
     fp8_quantize_columns(x8, offsets, with_rows=True, power_of_two_scales=pow2)
     fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16), power_of_two_scales=pow2)
-# More tiles than CTAs: each CTA walks several.
-deep_gemm.set_num_sms(1)
-fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
-deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)
 a8 = fp8_quantize_rows(x8)
 w8 = fp8_quantize_weights(torch.randn(len(sizes), 384, 256, device="cuda", dtype=torch.bfloat16))
 d8 = torch.empty(rows, 384, device="cuda", dtype=torch.bfloat16)
@@ -91,8 +87,10 @@ for dtype in (torch.float32, torch.bfloat16):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                    torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
                                                    c1.padded_offsets, accumulate=accumulate)
-# One CTA walks every tile (its next tile found during the first MMAs of the current one).
+# One CTA walks every tile: the weights' quantization, and the weight gradient (its next tile found
+# during the current one's first MMAs).
 deep_gemm.set_num_sms(1)
+fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
 deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                            torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
 deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)

@@ -38,10 +38,10 @@ def make_gemm(gemm: str, model: str, routing: str):
     """A closure running `gemm` once at `model`'s shape on random operands (`ab_gemm.py`'s)."""
     hidden, inter, experts, topk, tokens = MODELS[model]
     label = f"{gemm} fp32" if gemm.startswith("wgrad") else gemm
-    d1, d2 = next((d1, d2) for name, _, d1, d2, _ in gemm_cases(hidden, inter) if name == label)
+    d1, d2, out_dtype = next((d1, d2, dtype) for name, _, d1, d2, dtype in gemm_cases(hidden, inter) if name == label)
     sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens,
                                generator=torch.Generator().manual_seed(0))
-    return make_fp8_call(deep_gemm, label, d1, d2, sizes, {})
+    return make_fp8_call(deep_gemm, label, d1, d2, sizes, out_dtype, {})
 
 
 def summarize(records: torch.Tensor) -> list[str]:
