@@ -224,7 +224,8 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
         m_grouped_fp8.get_kernel(producer, m_grouped_fp8.get_config(n).block_n)
     for dtype, accumulate in zip(grads.dtypes(), (grads.accumulate_dl1, grads.accumulate_dl2)):
         k_grouped_fp8.get_kernel(dtype, accumulate)
-    quant_kernels.get_kernel("activations", False)
+    quant_kernels.get_kernel("rows", False)  # dy rows
+    quant_kernels.get_kernel("activations", False)  # dy and x columns
     moe_kernels_fp8.get_kernel(False)
     kernels.get_kernel("moe_combine")
 

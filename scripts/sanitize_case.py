@@ -87,10 +87,11 @@ for dtype in (torch.float32, torch.bfloat16):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                    torch.zeros(len(sizes), 384, 256, device="cuda", dtype=dtype),
                                                    c1.padded_offsets, accumulate=accumulate)
-# One CTA walks every tile: the weights' quantization, and the weight gradient (its next tile found
-# during the current one's first MMAs).
+# One CTA walks every tile: the weights' and the rows' quantization, and the weight gradient (its
+# next tile found during the current one's first MMAs).
 deep_gemm.set_num_sms(1)
 fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
+fp8_quantize_rows(d8)
 deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                            torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
 deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)

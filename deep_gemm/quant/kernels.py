@@ -3,13 +3,14 @@ any launch; nothing syncs with the host (group offsets are read on the GPU)."""
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms
+from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, device_num_sms,
+                     get_num_sms)
 from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, dequantize_rows, fp8_quantize_columns_torch,
                         fp8_quantize_rows_torch, fp8_quantize_weights_torch, padded_group_width)
 
@@ -34,26 +35,37 @@ def quantization_fits(rows: int, cols: int, num_groups: int = 1) -> bool:
 # dynamic shared memory.
 _WEIGHTS_SMEM_BYTES = BLOCK * BLOCK * 2 + BLOCK * BLOCK + 8 * 4
 
-# kernel -> (C++ struct with its template arguments after the scale rule, parameters, dynamic shared memory)
+class _KernelSpec(NamedTuple):
+    struct: str  # the C++ struct, and its template arguments after the scale rule
+    source: str
+    params: ParamsStruct
+    smem_bytes: int  # dynamic shared memory
+    blocks_per_sm: int  # CTAs an SM that its registers must allow
+    persistent: bool  # a grid of resident CTAs walking the tiles, else one CTA a tile
+
+
+# Two CTAs an SM (<= 128 registers a thread): the activations' kernels hold two tiles in registers
+# each; the weights' kernel prefetches nothing (slower in registers and in shared memory:
+# docs/PERF.md, "Decisions", FP8 quantization prefetch) and needs the cap for its staged transposed
+# copy (150 registers uncapped, one CTA an SM). The rows' kernel holds one tile: four CTAs an SM
+# (<= 64 registers), one a tile (docs/PERF.md, "Decisions": FP8 quantization of rows).
 _KERNELS = {
-    "activations": ("Fp8QuantizeActivations", "", _ACTIVATIONS, 0),
+    "activations": _KernelSpec("Fp8QuantizeActivations", "", _ACTIVATIONS, 0, 2, True),
     # the same from e4m3 rows and their scales, dequantized in the loads
-    "activations_from_fp8": ("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource", _ACTIVATIONS, 0),
-    "weights": ("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES),
+    "activations_from_fp8": _KernelSpec("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource",
+                                        _ACTIVATIONS, 0, 2, True),
+    "rows": _KernelSpec("Fp8QuantizeRows", "", _ACTIVATIONS, 0, 4, False),
+    "weights": _KernelSpec("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES, 2, True),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(name: str, power_of_two_scales: bool) -> Kernel:
     """`name`: a key of `_KERNELS`."""
-    struct, source, params, smem_bytes = _KERNELS[name]
+    spec = _KERNELS[name]
     rule = "deep_gemm::ptx::Pow2Scale" if power_of_two_scales else "deep_gemm::ptx::Fp32Scale"
-    # Two CTAs an SM (<= 128 registers a thread): the activations' kernels hold two tiles in registers
-    # each; the weights' kernel prefetches nothing (slower in registers and in shared memory:
-    # docs/PERF.md, "Decisions", FP8 quantization prefetch) and needs the cap for its staged
-    # transposed copy (150 registers uncapped, one CTA an SM).
-    return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{struct}<{rule}{source}>", params,
-                        _NUM_THREADS, smem_bytes, min_blocks_per_sm=2)
+    return build_kernel("fp8_quantize.cuh", f"dg_fp8_quantize_{name}", f"deep_gemm::{spec.struct}<{rule}{spec.source}>",
+                        spec.params, _NUM_THREADS, spec.smem_bytes, min_blocks_per_sm=spec.blocks_per_sm)
 
 
 def all_kernels() -> list[tuple[str, bool]]:
@@ -62,9 +74,12 @@ def all_kernels() -> list[tuple[str, bool]]:
 
 
 def _launch(name: str, power_of_two_scales: bool, device: int, num_tiles: int, **values) -> None:
-    kernel = get_kernel(name, power_of_two_scales)
-    num_blocks = max(1, min(num_tiles, kernel.max_resident_blocks(device), 8 * get_num_sms(device)))
-    kernel.launch(_KERNELS[name][2].pack(**values), num_blocks, device)
+    kernel, spec = get_kernel(name, power_of_two_scales), _KERNELS[name]
+    num_blocks = num_tiles
+    # (under set_num_sms' cap every kernel walks the tiles with resident CTAs)
+    if spec.persistent or get_num_sms(device) < device_num_sms(device):
+        num_blocks = min(num_tiles, kernel.max_resident_blocks(device), 8 * get_num_sms(device))
+    kernel.launch(spec.params.pack(**values), max(1, num_blocks), device)
 
 
 def _check_rows(x: torch.Tensor) -> None:
@@ -135,7 +150,7 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     out = empty_fp8_rows(*x.shape, x.device)
     m, k = x.shape
     if m:
-        _launch("activations", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
+        _launch("rows", power_of_two_scales, x.device.index, -(-m // BLOCK) * (k // BLOCK), x=x.data_ptr(),
                 x_scales=0, row_index=0, offsets=0, q=out.data.data_ptr(), scales=out.scales.data_ptr(), qt=0,
                 scales_t=0, padded_offsets=0, m=m, k=k, num_groups=0, scales_ld=out.scales.stride(1), mp=0, x_rows=m,
                 x_scales_ld=0)

@@ -142,6 +142,31 @@ struct Fp8QuantizeActivations {
     }
 };
 
+// Rows only, from bf16 rows read as they are (`fp8_quantize_rows`): launched one CTA a tile (the
+// loop serves smaller grids), nothing prefetched and no shared memory, so that four CTAs fit an SM
+// and the hardware keeps more loads in flight than the activations' kernel's two persistent CTAs
+// (docs/PERF.md, "Decisions": FP8 quantization of rows).
+template <typename ScaleRule>
+struct Fp8QuantizeRows {
+    static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
+
+    __device__ __forceinline__ static void run(const Fp8QuantizeActivationsParams& p) {
+        using namespace fp8_quantize;
+        const auto* x = static_cast<const __nv_bfloat16*>(p.x);
+        const uint32_t num_k_blocks = p.k / kTile;
+        const uint32_t num_tiles = ptx::ceil_div(p.m, kTile) * num_k_blocks;
+        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+            const uint32_t row_begin = t / num_k_blocks * kTile, kb = t % num_k_blocks;
+            const uint32_t num_rows = min(kTile, p.m - row_begin);
+            const uint64_t offset = static_cast<uint64_t>(row_begin) * p.k + kb * kTile;
+            TileRegs regs;
+            regs.load(x + offset, p.k, num_rows);
+            store_rows_fp8<ScaleRule>(regs, num_rows, p.q + offset, p.k,
+                                      p.scales + static_cast<uint64_t>(kb) * p.scales_ld + row_begin);
+        }
+    }
+};
+
 struct Fp8QuantizeWeightsParams {
     const __nv_bfloat16* w;  // [G, N, K]
     uint8_t* q;              // [G, N, K] e4m3
