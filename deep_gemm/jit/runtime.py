@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from cuda.bindings import driver as cu
 
-from ..utils import device_num_sms, env_flag
+from ..utils import device_num_sms, env_flag, get_num_sms
 from .compiler import compile_cubin
 from .params import ParamsStruct
 
@@ -126,6 +126,14 @@ class Kernel:
         `device` with `params`."""
         with OnDevice(device):
             self._launch(params, num_blocks, device)
+
+    def grid(self, num_units: int, device: int, persistent: bool) -> int:
+        """CTAs to launch for `num_units` units of work (at least one): one a unit, or, when
+        `persistent` or under `set_num_sms`' cap, at most those that fit at once (and eight an SM
+        in use), each walking the units in turn."""
+        if persistent or get_num_sms(device) < device_num_sms(device):
+            num_units = min(num_units, self.max_resident_blocks(device), 8 * get_num_sms(device))
+        return max(1, num_units)
 
     def max_resident_blocks(self, device: int) -> int:
         """How many CTAs of this kernel fit on the device at once, counted in whole clusters

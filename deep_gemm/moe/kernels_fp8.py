@@ -71,7 +71,8 @@ def moe_swiglu_bwd_fp8(h: torch.Tensor, d_act: torch.Tensor, layout: RoutingLayo
     width = dz_columns.data.shape[1]
     kernel = get_kernel(power_of_two_scales)
     # (a launch even with no rows: it writes the padded offsets)
-    num_blocks = max(1, min(width // BLOCK, kernel.max_resident_blocks(device)))
+    # one CTA a block of 128 rows (docs/PERF.md, "Decisions": FP8 quantization grids)
+    num_blocks = kernel.grid(width // BLOCK, device, persistent=False)
     kernel.launch(_PARAMS.pack(
         h=h.data_ptr(), d_act=d_act.data_ptr(), row_weight=layout.row_weight.data_ptr(),
         offsets=layout.offsets.data_ptr(), dz_q=dz_rows.data.data_ptr(), dz_scales=dz_rows.scales.data_ptr(),

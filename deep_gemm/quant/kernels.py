@@ -9,8 +9,7 @@ import torch
 
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
-from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, device_num_sms,
-                     get_num_sms)
+from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor
 from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, dequantize_rows, fp8_quantize_columns_torch,
                         fp8_quantize_rows_torch, fp8_quantize_weights_torch, padded_group_width)
 
@@ -44,18 +43,18 @@ class _KernelSpec(NamedTuple):
     persistent: bool  # a grid of resident CTAs walking the tiles, else one CTA a tile
 
 
-# Two CTAs an SM (<= 128 registers a thread): the activations' kernels hold two tiles in registers
-# each; the weights' kernel prefetches nothing (slower in registers and in shared memory:
-# docs/PERF.md, "Decisions", FP8 quantization prefetch) and needs the cap for its staged transposed
-# copy (150 registers uncapped, one CTA an SM). The rows' kernel holds one tile: four CTAs an SM
-# (<= 64 registers), one a tile (docs/PERF.md, "Decisions": FP8 quantization of rows).
+# Each kernel holds one tile in registers at a time. The activations' kernels (columns through
+# shared memory) and the rows' kernel run four CTAs an SM (<= 64 registers a thread), the weights'
+# kernel two (it needs 128 registers for its staged transposed copy); the activations' kernels
+# walk the tiles with resident CTAs (each first scans the groups), the others one CTA a tile
+# (docs/PERF.md, "Decisions": FP8 quantization grids).
 _KERNELS = {
-    "activations": _KernelSpec("Fp8QuantizeActivations", "", _ACTIVATIONS, 0, 2, True),
+    "activations": _KernelSpec("Fp8QuantizeActivations", "", _ACTIVATIONS, 0, 4, True),
     # the same from e4m3 rows and their scales, dequantized in the loads
     "activations_from_fp8": _KernelSpec("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource",
-                                        _ACTIVATIONS, 0, 2, True),
+                                        _ACTIVATIONS, 0, 4, True),
     "rows": _KernelSpec("Fp8QuantizeRows", "", _ACTIVATIONS, 0, 4, False),
-    "weights": _KernelSpec("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES, 2, True),
+    "weights": _KernelSpec("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES, 2, False),
 }
 
 
@@ -75,11 +74,7 @@ def all_kernels() -> list[tuple[str, bool]]:
 
 def _launch(name: str, power_of_two_scales: bool, device: int, num_tiles: int, **values) -> None:
     kernel, spec = get_kernel(name, power_of_two_scales), _KERNELS[name]
-    num_blocks = num_tiles
-    # (under set_num_sms' cap every kernel walks the tiles with resident CTAs)
-    if spec.persistent or get_num_sms(device) < device_num_sms(device):
-        num_blocks = min(num_tiles, kernel.max_resident_blocks(device), 8 * get_num_sms(device))
-    kernel.launch(spec.params.pack(**values), max(1, num_blocks), device)
+    kernel.launch(spec.params.pack(**values), kernel.grid(num_tiles, device, spec.persistent), device)
 
 
 def _check_rows(x: torch.Tensor) -> None:

@@ -1,15 +1,17 @@
 #pragma once
 // bf16 -> float8_e4m3fn quantization for the blockwise FP8 GEMMs (docs/DESIGN.md, "Blockwise
-// FP8"). Both kernels walk 128 x 128 tiles of a bf16 matrix, persistent CTAs of 256 threads:
+// FP8"). The kernels walk 128 x 128 tiles of a bf16 matrix, CTAs of 256 threads:
 //   Fp8QuantizeActivations  rows [M, K] -> fp8 rows with one scale per 1 x 128 (the GEMMs' A), and/or
 //                           a transposed copy [K, Mp] with one scale per 128 x 1, per group of rows
 //                           (the weight gradients' operands; each group's tokens padded with zeros
 //                           to a multiple of 128, so that a scale block never holds two groups);
+//   Fp8QuantizeRows         the rows alone, from rows read as they are;
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
-// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread; the activations'
-// kernel loads a tile while it quantizes the one before (two tiles in registers, two CTAs an SM).
-// The transposed copy and the column scales come from a bf16 copy of the tile in shared memory; the
-// copy leaves through an e4m3 stage there in whole 128-byte rows (`TransposedStage`).
+// A tile's rows are loaded once, 16-byte accesses, eight in flight per thread, one tile in
+// registers at a time: several CTAs an SM keep loads in flight while others quantize (their grids
+// and CTAs an SM: quant/kernels.py). The transposed copy and the column scales come from a bf16
+// copy of the tile in shared memory; the copy leaves through an e4m3 stage there in whole 128-byte
+// rows (`TransposedStage`).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../quant/tiles.cuh"
@@ -111,8 +113,6 @@ struct Fp8QuantizeActivations {
         const uint32_t num_row_blocks = transposed ? static_cast<uint32_t>(padded[p.num_groups]) / kTile
                                                    : ptx::ceil_div(p.m, kTile);
         const uint32_t num_tiles = num_row_blocks * num_k_blocks;
-        // Each tile's rows are loaded while the tile before it is quantized and stored (two tiles
-        // in registers), so that a CTA always has loads in flight.
         const auto coords = [&](uint32_t t) {
             TileCoords c{t / num_k_blocks, t % num_k_blocks, 0, 0};
             c.row_begin = c.block * kTile, c.num_rows = min(kTile, p.m - min(c.row_begin, p.m));
@@ -120,17 +120,11 @@ struct Fp8QuantizeActivations {
                 padded_block_rows(padded, p.offsets, p.num_groups, p.m, c.block, c.row_begin, c.num_rows);
             return c;
         };
-        const auto load = [&](TileRegs& regs, const TileCoords& c) { Source::load(regs, p, c); };
-        TileCoords next_coords{};
-        TileRegs next;
-        if (blockIdx.x < num_tiles)
-            next_coords = coords(blockIdx.x), load(next, next_coords);
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-            const TileCoords c = next_coords;
+            const TileCoords c = coords(t);
             const uint32_t block = c.block, kb = c.kb, row_begin = c.row_begin, num_rows = c.num_rows;
-            const TileRegs regs = next;
-            if (t + gridDim.x < num_tiles)
-                next_coords = coords(t + gridDim.x), load(next, next_coords);
+            TileRegs regs;
+            Source::load(regs, p, c);
 
             if (p.q != nullptr)
                 store_rows_fp8<ScaleRule>(regs, num_rows, p.q + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k,
@@ -143,9 +137,8 @@ struct Fp8QuantizeActivations {
 };
 
 // Rows only, from bf16 rows read as they are (`fp8_quantize_rows`): launched one CTA a tile (the
-// loop serves smaller grids), nothing prefetched and no shared memory, so that four CTAs fit an SM
-// and the hardware keeps more loads in flight than the activations' kernel's two persistent CTAs
-// (docs/PERF.md, "Decisions": FP8 quantization of rows).
+// loop serves smaller grids), no shared memory, no group scan: the activations' kernel's rows
+// without its persistent walk (docs/PERF.md, "Decisions": FP8 quantization grids).
 template <typename ScaleRule>
 struct Fp8QuantizeRows {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;

@@ -7,13 +7,13 @@
 //   row_dw                [R] fp32, <d_act, act> of each row
 // Every value is rounded to bf16 before it is quantized, so that the FP8 outputs equal those of
 // impls/fp8_quantize.cuh applied to the bf16 kernel's dz and act_weighted, bit for bit; neither
-// bf16 tensor is written. CTAs walk the 128-row blocks of the experts' padded rows (rows past an
+// bf16 tensor is written. A CTA takes a 128-row block of the experts' padded rows (rows past an
 // expert's end read as zeros, so the column copies' padding is zeros), each block's I / 128
 // column blocks in turn, keeping the rows' <d_act, act> in registers across them. A column
 // block's gate, up and d_act come by cp.async into shared memory (no registers held while they
 // load) and are turned into dz's halves and act_weighted there in place, one 8-value piece at a
 // time; the column copies are quantized from there. Two CTAs an SM: one computes while the
-// other's loads are in flight.
+// other's loads are in flight. Launched one CTA a block (the loop serves smaller grids).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../epilogue/activation.cuh"
