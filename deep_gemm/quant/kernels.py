@@ -45,7 +45,7 @@ class _KernelSpec(NamedTuple):
 
 # Each kernel holds one tile in registers at a time. The activations' kernels (columns through
 # shared memory) and the rows' kernel run four CTAs an SM (<= 64 registers a thread), the weights'
-# kernel two (it needs 128 registers for its staged transposed copy); the activations' kernels
+# kernel two (<= 128: its staged transposed copy takes 150 uncapped); the activations' kernels
 # walk the tiles with resident CTAs (each first scans the groups), the others one CTA a tile
 # (docs/PERF.md, "Decisions": FP8 quantization grids).
 _KERNELS = {
