@@ -14,8 +14,8 @@ token as rows (dA's GEMM gathers them) and, its routed rows gathered by the quan
 loads, as per-expert columns (dl2's); dA, dx's rows and both weight gradients run in FP8; the SwiGLU backward
 (`moe_swiglu_bwd_fp8`) writes dz already quantized, as rows (dx's GEMM) and columns (dl1's),
 and w * act as columns (dl2's); dl1 runs after dx's GEMM and combine, on the same stream, x's
-columns in the consumed h's memory; the combine is bf16 as above. The weights' FP8 copies are the forward's (the handle's `dgrad_weights`: their
-transposed halves).
+columns in the consumed h's memory; the combine is bf16 as above. The weights' FP8 copies are the
+forward's (the handle's `dgrad_weights`: their transposed halves).
 """
 from __future__ import annotations
 
@@ -344,10 +344,10 @@ def mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, hand
         dl2 [E, H, I])``.
 
     Every argument is checked, and every kernel built, before any work: a call that raises leaves
-    the handle and the caller's tensors as they were. New weight gradients are allocated at their GEMMs; dl2's GEMM
-    runs before dx's rows are allocated, so that its operands are freed first; dl1's runs on a side
-    stream beside the dx GEMM and combine in bf16, after them in FP8, where x's columns for it take
-    the memory of the consumed handle's h (peak memory)."""
+    the handle and the caller's tensors as they were. New weight gradients are allocated at their
+    GEMMs; dl2's GEMM runs before dx's rows are allocated, so that its operands are freed first;
+    dl1's runs on a side stream beside the dx GEMM and combine in bf16, after them in FP8, where x's
+    columns for it take the memory of the consumed handle's h (peak memory)."""
     check_backward_args(dy, l1, l2, handle, weight_grad_dtype, dl1, dl2, keep_handle)
     layout, x = handle.layout, handle.x
     grads = weight_grads(l1, l2, weight_grad_dtype, dl1, dl2)

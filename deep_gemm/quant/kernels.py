@@ -34,6 +34,7 @@ def quantization_fits(rows: int, cols: int, num_groups: int = 1) -> bool:
 # dynamic shared memory.
 _WEIGHTS_SMEM_BYTES = BLOCK * BLOCK * 2 + BLOCK * BLOCK + 8 * 4
 
+
 class _KernelSpec(NamedTuple):
     struct: str  # the C++ struct, and its template arguments after the scale rule
     source: str

@@ -1,11 +1,12 @@
 #pragma once
 // bf16 -> float8_e4m3fn quantization for the blockwise FP8 GEMMs (docs/DESIGN.md, "Blockwise
 // FP8"). The kernels walk 128 x 128 tiles of a bf16 matrix, CTAs of 256 threads:
-//   Fp8QuantizeActivations  rows [M, K] -> fp8 rows with one scale per 1 x 128 (the GEMMs' A), and/or
-//                           a transposed copy [K, Mp] with one scale per 128 x 1, per group of rows
-//                           (the weight gradients' operands; each group's tokens padded with zeros
-//                           to a multiple of 128, so that a scale block never holds two groups);
-//   Fp8QuantizeRows         the rows alone, from rows read as they are;
+//   Fp8QuantizeActivations  rows [M, K] -> a transposed copy [K, Mp] with one scale per 128 x 1, per
+//                           group of rows (the weight gradients' operands; each group's tokens padded
+//                           with zeros to a multiple of 128, so that a scale block never holds two
+//                           groups), and, when asked, fp8 rows with one scale per 1 x 128 from the
+//                           same loads;
+//   Fp8QuantizeRows         rows [M, K] -> fp8 rows with one scale per 1 x 128 (the GEMMs' A);
 //   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
 // A tile's rows are loaded once, 16-byte accesses, eight in flight per thread, one tile in
 // registers at a time: several CTAs an SM keep loads in flight while others quantize (their grids
@@ -32,10 +33,10 @@ struct Fp8QuantizeActivationsParams {
     const void* x;           // [M, K], or [x_rows, K] with row_index: bf16, or e4m3 (Fp8RowsSource)
     const float* x_scales;   // e4m3 x's 1 x 128 scales, x_scales[kb * x_scales_ld + row] (Fp8RowsSource)
     const int64_t* row_index;  // [M] or null: row m is x's row row_index[m] (outside [0, x_rows): zeros)
-    const int* offsets;      // [G + 1] row groups (transposed copy only)
+    const int* offsets;      // [G + 1] row groups (the transposed copy's)
     uint8_t* q;              // [M, K] e4m3, or null
     float* scales;           // [K / 128][scales_ld]: scales[kb * scales_ld + m] for row m, columns 128 kb..
-    uint8_t* qt;             // [K, mp] e4m3, or null: column p of group g is its row p - padded[g]
+    uint8_t* qt;             // [K, mp] e4m3 (Fp8QuantizeActivations): column p of group g is its row p - padded[g]
     float* scales_t;         // [mp / 128, K]: one per 128 columns of qt and row of it
     int* padded_offsets;     // [G + 1]: group g's columns of qt, [padded[g], padded[g + 1]), multiples of 128
     uint32_t m, k, num_groups, scales_ld, mp, x_rows, x_scales_ld;
@@ -93,9 +94,9 @@ struct Fp8RowsSource {
 
 }  // namespace fp8_quantize
 
-// Without `qt`, tiles walk rows 128 at a time and `offsets` is not read. With it, tiles walk the
-// padded columns of qt: tile b's rows are rows padded[g] - offsets[g] + 128 b.. of group g, the
-// rows past the group's end read as zeros (so qt's padding is zeros) and are not written to q.
+// Tiles walk the padded columns of qt: tile b's rows are rows padded[g] - offsets[g] + 128 b.. of
+// group g, the rows past the group's end read as zeros (so qt's padding is zeros) and are not
+// written to q (the rows, when asked for; the rows alone are Fp8QuantizeRows').
 template <typename ScaleRule, typename Source = fp8_quantize::Bf16RowsSource>
 struct Fp8QuantizeActivations {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
@@ -104,20 +105,13 @@ struct Fp8QuantizeActivations {
         using namespace fp8_quantize;
         __shared__ __align__(16) ColumnSmem column_smem;
         __shared__ int padded[kMaxGroups + 1];
-        const bool transposed = p.qt != nullptr;
-        if (transposed)
-            padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
-        __syncthreads();
+        padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
 
         const uint32_t num_k_blocks = p.k / kTile;
-        const uint32_t num_row_blocks = transposed ? static_cast<uint32_t>(padded[p.num_groups]) / kTile
-                                                   : ptx::ceil_div(p.m, kTile);
-        const uint32_t num_tiles = num_row_blocks * num_k_blocks;
+        const uint32_t num_tiles = static_cast<uint32_t>(padded[p.num_groups]) / kTile * num_k_blocks;
         const auto coords = [&](uint32_t t) {
             TileCoords c{t / num_k_blocks, t % num_k_blocks, 0, 0};
-            c.row_begin = c.block * kTile, c.num_rows = min(kTile, p.m - min(c.row_begin, p.m));
-            if (transposed)
-                padded_block_rows(padded, p.offsets, p.num_groups, p.m, c.block, c.row_begin, c.num_rows);
+            padded_block_rows(padded, p.offsets, p.num_groups, p.m, c.block, c.row_begin, c.num_rows);
             return c;
         };
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -129,9 +123,8 @@ struct Fp8QuantizeActivations {
             if (p.q != nullptr)
                 store_rows_fp8<ScaleRule>(regs, num_rows, p.q + static_cast<uint64_t>(row_begin) * p.k + kb * kTile, p.k,
                                           p.scales + static_cast<uint64_t>(kb) * p.scales_ld + row_begin);
-            if (transposed)
-                store_columns_fp8<ScaleRule>(regs, column_smem, p.qt + static_cast<uint64_t>(kb) * kTile * p.mp + block * kTile,
-                                             p.mp, p.scales_t + static_cast<uint64_t>(block) * p.k + kb * kTile);
+            store_columns_fp8<ScaleRule>(regs, column_smem, p.qt + static_cast<uint64_t>(kb) * kTile * p.mp + block * kTile,
+                                         p.mp, p.scales_t + static_cast<uint64_t>(block) * p.k + kb * kTile);
         }
     }
 };
