@@ -4,14 +4,16 @@ relatively), and each case alternates the two, call for call, over many rounds, 
 GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
 
     python scripts/ab_gemm.py BASE_CHECKOUT [--models 30b,235b,v3] [--routing uniform,skewed] [--rounds 10]
-                              [--precision bf16|fp8] [--only wgrad1,wgrad2]
+                              [--precision bf16|fp8] [--only wgrad1,wgrad2] [--sustained SECONDS]
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
 and data gradients on m-grouped FP8, the weight gradients with bf16 and fp32 output on k-grouped
 FP8) and the FP8 layer's two variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
 tokens; "fwd1 swiglu": SwiGLU with act written in e4m3), on operands this checkout quantizes
 once for both trees. Prints per case the medians (ms) of each
-tree's per-round medians and new / base. Needs a Hopper GPU.
+tree's per-round medians and new / base. With `--sustained SECONDS`, each round is SECONDS of
+back-to-back calls (`deep_gemm.testing.sustained_ms`: the power-capped steady state a training
+step runs in), and the rows add each tree's SM clock and power. Needs a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import deep_gemm  # noqa: E402
 from bench_common import require_sm90  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
 from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import bench_ms, offsets_from_sizes, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import SustainedTiming, bench_ms, offsets_from_sizes, sustained_ms, warm_up_gpu  # noqa: E402
 
 
 def import_checkout(path: str, name: str):
@@ -108,6 +110,11 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, out_dtype: tor
     return lambda: lib.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), b, d, offsets, a_row_index=index)
 
 
+def _median_or_nan(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
@@ -117,13 +124,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     parser.add_argument("--only", default=None, help="comma-separated prefixes of the GEMM labels to run (e.g. wgrad)")
+    parser.add_argument("--sustained", type=float, default=None, metavar="SECONDS",
+                        help="time each round as SECONDS of back-to-back calls (`sustained_ms`), with clocks and power")
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else ("",)
     require_sm90("ab_gemm.py")
     base = import_checkout(args.base, "deep_gemm_base")
     gen = torch.Generator().manual_seed(args.seed)
     warm_up_gpu()
-    print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}", flush=True)
+    clocks = f" {'base MHz':>8} {'new MHz':>8} {'base W':>6} {'new W':>6}" if args.sustained else ""
+    print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}{clocks}", flush=True)
     worst = 0.0
     for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
         if args.precision == "fp8" and label not in FP8_CASES + ("fwd1 gather", "fwd1 swiglu"):
@@ -137,13 +147,19 @@ def main() -> None:
         else:
             calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
                      "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
-        times = {"new": [], "base": []}
+        runs = {"new": [], "base": []}
         for r in range(args.rounds):
             for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
-                times[tree].append(bench_ms(calls[tree], warmup=2, iters=10))
-        b, n = statistics.median(times["base"]), statistics.median(times["new"])
+                runs[tree].append(sustained_ms(calls[tree], args.sustained) if args.sustained else
+                                  SustainedTiming(bench_ms(calls[tree], warmup=2, iters=10), None, None))
+        b, n = (statistics.median(t.ms for t in runs[tree]) for tree in ("base", "new"))
         worst = max(worst, n / b)
-        print(f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}", flush=True)
+        line = f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}"
+        if args.sustained:
+            mhz = [_median_or_nan(t.sm_mhz for t in runs[tree]) for tree in ("base", "new")]
+            watts = [_median_or_nan(t.watts for t in runs[tree]) for tree in ("base", "new")]
+            line += f" {mhz[0]:>8.0f} {mhz[1]:>8.0f} {watts[0]:>6.0f} {watts[1]:>6.0f}"
+        print(line, flush=True)
         del inputs, calls
         torch.cuda.empty_cache()
     print(f"worst new/base: {worst:.3f}")

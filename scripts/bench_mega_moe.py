@@ -22,6 +22,9 @@ checkout of the library on the same terms (an A/B: put this script in that check
 
 `--host` adds a line per implementation with the host's time to issue one fwd and one bwd (when
 it exceeds the GPU's, the GPU waits for the host); `--profile` prints our kernels' GPU times.
+`--sustained SECONDS` adds a line per implementation timed over SECONDS of steps back to back,
+with the SM clock and board power: on an H200 the steady state of training runs at the 700 W
+cap, at lower clocks than the short bursts of the main table (docs/PERF.md, session 22).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
@@ -49,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from bench_common import MODELS, require_sm90  # noqa: E402
-from deep_gemm.testing import warm_up_gpu  # noqa: E402
+from deep_gemm.testing import SustainedTiming, sustained_ms, warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, make_moe_inputs, mega_moe  # noqa: E402
 from megamoe_bwd.baseline import fp8_rowwise_moe  # noqa: E402
 
@@ -182,6 +185,18 @@ def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[flo
     return _median((b - a) * 1e3 for a, b, _ in steps), _median((c - b) * 1e3 for _, b, c in steps)
 
 
+def sustained_fwd_bwd(fn, inputs, dy, seconds: float) -> SustainedTiming:
+    """fwd+bwd steps of `fn` back to back for `seconds` (`sustained_ms`: ms a step, SM clock, power)."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(dy)
+
+    return sustained_ms(step, seconds, batch=2)
+
+
 def _fp8_copies_per_call(*inputs) -> torch.Tensor:
     """Our FP8 layer with `deep_gemm.Fp8WeightCopies.PER_CALL` for its forward (the backward takes
     the forward's copies either way)."""
@@ -210,6 +225,9 @@ def main() -> None:
     parser.add_argument("--fp8-per-call", action="store_true", help="also time our FP8 layer with its weight copies "
                         "made per call (deep_gemm.Fp8WeightCopies.PER_CALL): every step quantizes the weights, and "
                         "no copy outlives its backward")
+    parser.add_argument("--sustained", type=float, default=None, metavar="SECONDS",
+                        help="also time each implementation's steps back to back for SECONDS (one GPU): the "
+                             "power-capped steady state of training, with the SM clock and power")
     parser.add_argument("--impls", default=None,
                         help="with --num-processes: implementations to time, separated by ';' (names hold commas; "
                              "default: all; 'ours compute only' is always timed, the ratios' reference)")
@@ -241,7 +259,7 @@ def main() -> None:
         for routing in args.routing.split(","):
             p = make_moe_inputs(tokens, hidden, inter, experts, topk, device="cuda", routing=routing, seed=0)
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
-            torch_total = None
+            torch_total = torch_sustained = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
                 fwd, bwd, peak, peak_reserved = time_fwd_bwd(fn, inputs, p["dy"])
                 torch_total = torch_total or fwd + bwd
@@ -252,6 +270,14 @@ def main() -> None:
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
+                if args.sustained:
+                    run = sustained_fwd_bwd(fn, inputs, p["dy"], args.sustained)
+                    torch_sustained = torch_sustained or run.ms
+                    line = (f"{'':<5} {'':<7} {name + ' (sustained)':<21} {'':>8} {'':>8} {run.ms:>8.2f} "
+                            f"{flops / run.ms / 1e9:>7.0f} {torch_sustained / run.ms:>7.2f}x "
+                            f"{run.sm_mhz or float('nan'):>6.0f} MHz {run.watts or float('nan'):>4.0f} W")
+                    lines.append(line)
+                    print(line, flush=True)
                 if args.host:
                     host_fwd, host_bwd = host_issue_ms(fn, inputs, p["dy"])
                     print(f"{'':<5} {'':<7} {name + ' (host)':<21} {host_fwd:>8.2f} {host_bwd:>8.2f} "

@@ -1,4 +1,8 @@
-from typing import Callable
+"""Timing on the GPU: short bursts (`bench_ms`), the steady state (`sustained_ms`), a warm-up."""
+import statistics
+import threading
+import time
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -37,3 +41,57 @@ def warm_up_gpu(seconds: float = 1.0) -> None:
         end.synchronize()
         if start.elapsed_time(end) > seconds * 1e3:
             return
+
+
+class SustainedTiming(NamedTuple):
+    """`sustained_ms`' result: median milliseconds a call, and the median SM clock (MHz) and board
+    power (W) while the calls ran (None where NVML cannot be read)."""
+    ms: float
+    sm_mhz: Optional[float]
+    watts: Optional[float]
+
+
+def _clock_and_power() -> tuple[Optional[float], Optional[float]]:
+    try:
+        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3  # (power in mW)
+    except Exception:  # no NVML binding (pynvml) or no permission: time only
+        return None, None
+
+
+def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, batch: int = 5) -> SustainedTiming:
+    """Times `fn` called back to back for `seconds` (CUDA events over batches of `batch` calls, no
+    L2 flush), sampling the SM clock and power every 10 ms from another thread. This is the steady
+    state of training: on an H200 the GEMMs then run at the 700 W cap, their clocks 1.4-1.6 GHz,
+    where `bench_ms`' short bursts run partly above it (docs/PERF.md, session 22). Clock and power
+    are the medians of the last two thirds of the samples, after the cap has set in."""
+    samples: list = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(_clock_and_power())
+            time.sleep(0.01)
+
+    for _ in range(2 * batch):
+        fn()
+    torch.cuda.synchronize()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    times, begin = [], time.monotonic()
+    try:
+        while time.monotonic() - begin < seconds or not times:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / batch)
+    finally:
+        stop.set()
+        sampler.join()
+    settled = [s for s in samples[len(samples) // 3:] if s[0] is not None]
+    mhz = statistics.median(c for c, _ in settled) if settled else None
+    watts = statistics.median(w for _, w in settled) if settled else None
+    return SustainedTiming(statistics.median(times), mhz, watts)
+

@@ -34,9 +34,10 @@ struct Sm90FP8KGroupedGemm {
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
-    // One 128-column product a k-block, its 64 scale products made before the wait (docs/PERF.md,
-    // "Decisions": FP8 weight gradient).
+    // One 128-column product a k-block (its scales loaded before its MMAs are issued, multiplied
+    // while they run; docs/PERF.md, "Decisions": FP8 weight gradient).
     static constexpr uint32_t kProductN = 128;
+    static_assert(BLOCK_N == kProductN, "one product a k-block: its scales are loaded once, before its MMAs");
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -77,6 +78,7 @@ struct Sm90FP8KGroupedGemm {
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
+            StageScales<kProductN / 2> scales;  // the k-block's, loaded before its MMAs
             // The next tile is found while this tile's first MMAs run. (Found after the epilogue
             // instead, ptxas gives this code none of setmaxnreg's extra registers: it spills.)
             typename Scheduler::Tile upcoming;
@@ -90,12 +92,11 @@ struct Sm90FP8KGroupedGemm {
                 zero_accum(acc);
                 consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t stage, uint32_t, uint32_t cols) {
-                        const float* rows = smem.scales(stage) + scale_row;
-                        return RowColumnScales<kProductN / 2>(rows[0], rows[8],
-                                                              smem.scales(stage) + BLOCK_M + cols * kProductN);
+                    [&](uint32_t, uint32_t, uint32_t) { return RowColumnScales<kProductN / 2>(scales); },
+                    [&](uint32_t stage) {
+                        scales.load(smem.scales(stage) + scale_row, smem.scales(stage) + BLOCK_M);
                     },
-                    [](uint32_t) {}, [&] { more = scheduler.next(upcoming); });
+                    [&] { more = scheduler.next(upcoming); });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);
                 timeline::mark(timeline::kEpilogueEnd, tile.group);

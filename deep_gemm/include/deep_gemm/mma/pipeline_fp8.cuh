@@ -36,24 +36,37 @@ struct RowScales {
     }
 };
 
-// One scale per row and one per column (the weight gradient: both operands per 128 x 1),
-// multiplied into one scale per accumulator when made, i.e. while the product's MMAs are in
-// flight: after the wait the promotion is one FFMA per accumulator, as the forward's. `cols`: the
-// product's column scales in shared memory.
+// A k-block's scales for the weight gradient (both operands per 128 x 1): a thread's two row
+// scales and its kNum / 2 column scales, read from the stage before its MMAs are issued (volatile
+// loads, which stay ahead of the MMAs' fence): 2-5% faster than reading them after the MMAs
+// (docs/PERF.md, "Decisions": FP8 weight gradient).
 template <uint32_t kNum>
-struct RowColumnScales {
+struct StageScales {
     static_assert(kNum % 4 == 0, "whole groups of 8 columns (4 accumulators a thread)");
-    float scale[kNum];
+    float row[2];
+    float2 col[kNum / 4];  // columns 8 j + (lane % 4) * 2 + {0, 1}
 
-    __device__ __forceinline__ RowColumnScales(float row0, float row1, const float* cols) {
+    // `rows`: this thread's first row's scale (the second 8 rows on); `cols`: the product's first.
+    __device__ __forceinline__ void load(const float* rows, const float* cols) {
+        row[0] = ptx::ld_shared_f32(rows), row[1] = ptx::ld_shared_f32(rows + 8);
         const float* mine = cols + (ptx::lane_idx() % 4) * 2;
         #pragma unroll
-        for (uint32_t j = 0; j < kNum / 4; ++j) {  // columns 8 j + (lane % 4) * 2 + {0, 1}
-            const float2 c = *reinterpret_cast<const float2*>(mine + 8 * j);
-            #pragma unroll
-            for (uint32_t i = 4 * j; i < 4 * j + 4; ++i)
-                scale[i] = (i % 2 ? c.y : c.x) * ((i / 2) % 2 ? row1 : row0);
-        }
+        for (uint32_t j = 0; j < kNum / 4; ++j)
+            col[j] = ptx::ld_shared_v2(mine + 8 * j);
+    }
+};
+
+// One scale per row and one per column, multiplied into one scale per accumulator when made,
+// i.e. while the product's MMAs are in flight: after the wait the promotion is one FFMA per
+// accumulator, as the forward's.
+template <uint32_t kNum>
+struct RowColumnScales {
+    float scale[kNum];
+
+    __device__ __forceinline__ explicit RowColumnScales(const StageScales<kNum>& s) {
+        #pragma unroll
+        for (uint32_t i = 0; i < kNum; ++i)
+            scale[i] = (i % 2 ? s.col[i / 4].y : s.col[i / 4].x) * s.row[(i / 2) % 2];
     }
 
     __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {

@@ -73,6 +73,18 @@ __device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
     return v;
 }
 
+__device__ __forceinline__ float2 ld_shared_v2(const void* ptr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(ptr)));
+    return v;
+}
+
+__device__ __forceinline__ float ld_shared_f32(const void* ptr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(smem_addr(ptr)));
+    return v;
+}
+
 __device__ __forceinline__ void st_shared_v4(void* ptr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
                  :: "r"(smem_addr(ptr)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
