@@ -51,9 +51,9 @@ class SustainedTiming(NamedTuple):
     watts: Optional[float]
 
 
-def _clock_and_power() -> tuple[Optional[float], Optional[float]]:
+def _clock_and_power(device: int) -> tuple[Optional[float], Optional[float]]:
     try:
-        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3  # (power in mW)
+        return float(torch.cuda.clock_rate(device)), torch.cuda.power_draw(device) / 1e3  # (power in mW)
     except Exception:  # no NVML binding (pynvml) or no permission: time only
         return None, None
 
@@ -66,10 +66,11 @@ def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, batch: int = 5)
     are the medians of the last two thirds of the samples, after the cap has set in."""
     samples: list = []
     stop = threading.Event()
+    device = torch.cuda.current_device()  # (the sampling thread has its own current device)
 
     def sample() -> None:
         while not stop.is_set():
-            samples.append(_clock_and_power())
+            samples.append(_clock_and_power(device))
             time.sleep(0.01)
 
     for _ in range(2 * batch):
