@@ -22,9 +22,10 @@ checkout of the library on the same terms (an A/B: put this script in that check
 
 `--host` adds a line per implementation with the host's time to issue one fwd and one bwd (when
 it exceeds the GPU's, the GPU waits for the host); `--profile` prints our kernels' GPU times.
-`--sustained SECONDS` adds a line per implementation timed over SECONDS of steps back to back,
-with the SM clock and board power: on an H200 the steady state of training runs at the 700 W
-cap, at lower clocks than the short bursts of the main table (docs/PERF.md, session 22).
+`--sustained SECONDS` adds a line per implementation timed over SECONDS of steps back to back
+(after all the shape's bursts), with the SM clock and board power: on an H200 the steady state of
+training runs at the 700 W cap, at lower clocks than the short bursts of the main table
+(docs/PERF.md, session 22).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
@@ -270,18 +271,19 @@ def main() -> None:
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
-                if args.sustained:
-                    run = sustained_fwd_bwd(fn, inputs, p["dy"], args.sustained)
-                    torch_sustained = torch_sustained or run.ms
-                    line = (f"{'':<5} {'':<7} {name + ' (sustained)':<21} {'':>8} {'':>8} {run.ms:>8.2f} "
-                            f"{flops / run.ms / 1e9:>7.0f} {torch_sustained / run.ms:>7.2f}x "
-                            f"{run.sm_mhz or float('nan'):>6.0f} MHz {run.watts or float('nan'):>4.0f} W")
-                    lines.append(line)
-                    print(line, flush=True)
                 if args.host:
                     host_fwd, host_bwd = host_issue_ms(fn, inputs, p["dy"])
                     print(f"{'':<5} {'':<7} {name + ' (host)':<21} {host_fwd:>8.2f} {host_bwd:>8.2f} "
                           f"{host_fwd + host_bwd:>8.2f}", flush=True)
+            # (after every burst: a burst right after seconds at the power cap runs slower)
+            for name, fn in impls.items() if args.sustained else ():
+                run = sustained_fwd_bwd(fn, inputs, p["dy"], args.sustained)
+                torch_sustained = torch_sustained or run.ms
+                line = (f"{model:<5} {routing:<7} {name + ' (sustained)':<21} {'':>8} {'':>8} {run.ms:>8.2f} "
+                        f"{flops / run.ms / 1e9:>7.0f} {torch_sustained / run.ms:>7.2f}x "
+                        f"{run.sm_mhz or float('nan'):>6.0f} MHz {run.watts or float('nan'):>4.0f} W")
+                lines.append(line)
+                print(line, flush=True)
             if args.profile:
                 profile(mega_moe, inputs, p["dy"], f"{model} {routing}")
             del p, inputs

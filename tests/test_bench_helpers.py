@@ -25,3 +25,8 @@ def test_sustained_timing_gives_ms_a_call_and_the_clock_and_power_it_ran_at():
 def test_sustained_timing_runs_at_least_one_batch():
     a = torch.randn(256, 256, device="cuda")
     assert sustained_ms(lambda: a @ a, seconds=0.0, batch=1).ms > 0
+
+
+def test_sustained_timing_refuses_an_empty_batch_before_touching_the_gpu():
+    with pytest.raises(ValueError, match="batch"):
+        sustained_ms(lambda: None, batch=0)

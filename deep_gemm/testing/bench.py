@@ -59,40 +59,54 @@ def _clock_and_power(device: int) -> tuple[Optional[float], Optional[float]]:
 
 
 def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, batch: int = 5) -> SustainedTiming:
-    """Times `fn` called back to back for `seconds` (CUDA events over batches of `batch` calls, no
-    L2 flush), sampling the SM clock and power every 10 ms from another thread. This is the steady
-    state of training: on an H200 the GEMMs then run at the 700 W cap, their clocks 1.4-1.6 GHz,
-    where `bench_ms`' short bursts run partly above it (docs/PERF.md, session 22). Clock and power
-    are the medians of the last two thirds of the samples, after the cap has set in."""
+    """Times `fn` called back to back for `seconds` (CUDA events over batches of `batch` calls, the
+    next batch queued before the last one is waited for, no L2 flush), sampling the SM clock and
+    power every 10 ms from another thread. This is the steady state of training: on an H200 the
+    GEMMs then run at the 700 W cap, their clocks 1.4-1.6 GHz, where `bench_ms`' short bursts run
+    partly above it (docs/PERF.md, session 22). Time, clock and power are medians over the last
+    two thirds of the run, after the cap has set in."""
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
     samples: list = []
     stop = threading.Event()
     device = torch.cuda.current_device()  # (the sampling thread has its own current device)
 
     def sample() -> None:
         while not stop.is_set():
-            samples.append(_clock_and_power(device))
+            samples.append((time.monotonic(), *_clock_and_power(device)))
             time.sleep(0.01)
+
+    def queue_batch() -> tuple:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        return start, end
 
     for _ in range(2 * batch):
         fn()
     torch.cuda.synchronize()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    times, begin = [], time.monotonic()
+    begin = time.monotonic()
+    settled_from = begin + seconds / 3
+    batches = []  # (host time its end was seen, ms a call)
     try:
-        while time.monotonic() - begin < seconds or not times:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(batch):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / batch)
+        pending = queue_batch()
+        while True:
+            following = queue_batch()
+            pending[1].synchronize()
+            batches.append((time.monotonic(), pending[0].elapsed_time(pending[1]) / batch))
+            pending = following
+            if time.monotonic() - begin >= seconds:
+                break
+        pending[1].synchronize()
     finally:
         stop.set()
         sampler.join()
-    settled = [s for s in samples[len(samples) // 3:] if s[0] is not None]
+    ms = statistics.median([t for at, t in batches if at >= settled_from] or [t for _, t in batches])
+    settled = [(c, w) for at, c, w in samples if at >= settled_from and c is not None]
     mhz = statistics.median(c for c, _ in settled) if settled else None
     watts = statistics.median(w for _, w in settled) if settled else None
-    return SustainedTiming(statistics.median(times), mhz, watts)
-
+    return SustainedTiming(ms, mhz, watts)

@@ -38,6 +38,9 @@ struct Sm90FP8KGroupedGemm {
     // while they run; docs/PERF.md, "Decisions": FP8 weight gradient).
     static constexpr uint32_t kProductN = 128;
     static_assert(BLOCK_N == kProductN, "one product a k-block: its scales are loaded once, before its MMAs");
+    // One set of products: each k-block is promoted before the next one's scales are loaded into
+    // the one StageScales (two sets would overwrite a block's scales before its promotion).
+    static constexpr uint32_t kNumProductSets = 1;
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -90,7 +93,7 @@ struct Sm90FP8KGroupedGemm {
                     continue;
                 }
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, 1>(
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     [&](uint32_t, uint32_t, uint32_t) { return RowColumnScales<kProductN / 2>(scales); },
                     [&](uint32_t stage) {
