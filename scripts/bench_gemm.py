@@ -29,7 +29,11 @@ forward and data-gradient rows, on groups padded to its alignment with its own c
 1 x 128, per block 128 x 128): what its users must do; its TFLOPS count our unpadded FLOPs too.
 
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
-                                 [--precision bf16,fp8] [--upstream DEEPGEMM_DIR]
+                                 [--precision bf16,fp8] [--upstream DEEPGEMM_DIR] [--sustained SECONDS]
+
+`--sustained SECONDS` times every side over SECONDS of back-to-back calls a round
+(`deep_gemm.testing.sustained_ms`, no L2 flush) instead of bursts: the power-capped steady state
+a training step runs its GEMMs in (docs/PERF.md, session 22).
 
 It uses the public GEMM functions only, so it also times another checkout of the library on
 the same terms (an A/B: put this script in that checkout's scripts/). Needs a Hopper GPU.
@@ -40,6 +44,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -49,7 +54,8 @@ import deep_gemm  # noqa: E402
 from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, relative_error, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import (bench_ms, offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
+                               sustained_ms, warm_up_gpu)
 from deep_gemm.testing.fp8_baseline import quantize_rowwise, torch_fp8_rowwise_wgrad  # noqa: E402
 
 
@@ -80,7 +86,7 @@ def all_cases(models: str, routings: str, gen: torch.Generator):
                 yield model, routing, sizes, case
 
 
-def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
+def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False, sustained: Optional[float] = None):
     """Returns (ours_ms, torch_ms, rel_err_ours_vs_torch, flops, {config: ms} when sweeping)."""
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
@@ -145,8 +151,8 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False):
     # Error on a slice: the full fp64 copies of the largest outputs would not fit in memory.
     err = (relative_error(d.flatten()[:1 << 24].float(), ref.flatten()[:1 << 24].float())
            if ref is not None and ref.shape == d.shape else float("nan"))
-    ours_ms, torch_ms = interleaved_ms(ours, theirs)
-    swept = {c: interleaved_ms(lambda c=c: ours(c), None)[0] for c in configs} if sweep else {}
+    ours_ms, torch_ms = interleaved_ms(ours, theirs, sustained=sustained)
+    swept = {c: interleaved_ms(lambda c=c: ours(c), None, sustained=sustained)[0] for c in configs} if sweep else {}
     return ours_ms, torch_ms, err, flops, swept
 
 
@@ -177,7 +183,8 @@ def _upstream_m_grouped(upstream, x: torch.Tensor, b_nk: torch.Tensor, sizes: li
     return lambda: upstream.m_grouped_fp8_fp4_gemm_nt_contiguous(a_fp8, b_fp8, d, m_indices, disable_ue8m0_cast=True)
 
 
-def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torch.dtype, upstream=None) -> dict:
+def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torch.dtype, upstream=None,
+                 sustained: Optional[float] = None) -> dict:
     """ms of ours (FP8), our bf16 GEMM, torch's FP8 rowwise GEMM and (m-grouped, with `upstream`)
     upstream DeepGEMM's, FLOPs, and the two FP8 errors against the fp32 product of the bf16
     operands; `out_dtype`: the weight gradients' output (the m-grouped GEMMs write bf16)."""
@@ -233,26 +240,29 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
         print(f"torch._scaled_grouped_mm failed for {label}: {e}", flush=True)
         theirs, torch_err = None, float("nan")
     del ref
-    ours_ms, torch_ms = interleaved_ms(ours, theirs)
-    bf16_ms, _ = interleaved_ms(bf16, None)
+    ours_ms, torch_ms = interleaved_ms(ours, theirs, sustained=sustained)
+    bf16_ms, _ = interleaved_ms(bf16, None, sustained=sustained)
     upstream_ms = float("nan")
     if upstream_fn is not None:
         try:
-            upstream_ms = interleaved_ms(upstream_fn, None)[0]
+            upstream_ms = interleaved_ms(upstream_fn, None, sustained=sustained)[0]
         except Exception as e:  # report, keep going
             print(f"upstream DeepGEMM failed for {label}: {e}", flush=True)
     return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, upstream=upstream_ms, flops=flops, err=err,
                 torch_err=torch_err)
 
 
-def interleaved_ms(fn, baseline, rounds: int = 3):
+def interleaved_ms(fn, baseline, rounds: int = 3, sustained: Optional[float] = None):
     """Median over `rounds` alternating rounds of (fn, baseline) timings: slow drifts of the
-    GPU's clock hit both sides alike."""
+    GPU's clock hit both sides alike. Bursts (`bench_ms`), or with `sustained`, that many seconds
+    of back-to-back calls a round (`sustained_ms`)."""
+    time_ms = ((lambda f: sustained_ms(f, sustained).ms) if sustained
+               else (lambda f: bench_ms(f, warmup=2, iters=10)))
     ours, theirs = [], []
     for _ in range(rounds):
-        ours.append(bench_ms(fn, warmup=2, iters=10))
+        ours.append(time_ms(fn))
         if baseline is not None:
-            theirs.append(bench_ms(baseline, warmup=2, iters=10))
+            theirs.append(time_ms(baseline))
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     return median(ours), median(theirs)
 
@@ -288,6 +298,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated GEMM labels to run (e.g. wgrad1), for profilers")
     parser.add_argument("--precision", default="bf16", help="bf16 (ours vs torch._grouped_mm), fp8 (see above), or both")
     parser.add_argument("--upstream", default=None, help="an upstream DeepGEMM checkout built in place (fp8 rows)")
+    parser.add_argument("--sustained", type=float, default=None, metavar="SECONDS",
+                        help="time SECONDS of back-to-back calls a round (the power-capped steady state)")
     args = parser.parse_args()
     require_sm90("bench_gemm.py")
     torch.manual_seed(args.seed)
@@ -306,7 +318,7 @@ def main() -> None:
         for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
             if args.only and label not in args.only.split(","):
                 continue
-            ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep)
+            ours, theirs, err, flops, swept = run_case(kind, d1, d2, sizes, out_dtype, args.sweep, args.sustained)
             shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
             line = (f"{model:<5} {routing:<7} {label:<12} {shape:<24} {ours:>8.3f} {flops / ours / 1e9:>7.0f} "
                     f"{theirs:>9.3f} {flops / theirs / 1e9:>7.0f} {theirs / ours:>6.2f} {err:>8.1e}")
@@ -324,7 +336,7 @@ def main() -> None:
         for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
             if label not in FP8_CASES or (args.only and label not in args.only.split(",")):
                 continue
-            r = run_fp8_case(label, d1, d2, sizes, out_dtype, upstream)
+            r = run_fp8_case(label, d1, d2, sizes, out_dtype, upstream, args.sustained)
             shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
             line = (f"{model:<5} {routing:<7} {label:<12} {shape:<18} {r['ours']:>8.3f} {r['flops'] / r['ours'] / 1e9:>7.0f} "
                     f"{r['bf16'] / r['ours']:>6.2f}x {r['torch']:>9.3f} {r['flops'] / r['torch'] / 1e9:>7.0f} "
