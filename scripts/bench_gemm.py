@@ -33,7 +33,7 @@ forward and data-gradient rows, on groups padded to its alignment with its own c
 
 `--sustained SECONDS` times every side over SECONDS of back-to-back calls a round
 (`deep_gemm.testing.sustained_ms`, no L2 flush) instead of bursts: the power-capped steady state
-a training step runs its GEMMs in (docs/PERF.md, session 22).
+a training step runs its GEMMs in (docs/PERF.md, "Decisions": decide in the steady state).
 
 It uses the public GEMM functions only, so it also times another checkout of the library on
 the same terms (an A/B: put this script in that checkout's scripts/). Needs a Hopper GPU.

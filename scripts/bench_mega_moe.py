@@ -25,7 +25,7 @@ it exceeds the GPU's, the GPU waits for the host); `--profile` prints our kernel
 `--sustained SECONDS` adds a line per implementation timed over SECONDS of steps back to back
 (after all the shape's bursts), with the SM clock and board power: on an H200 the steady state of
 training runs at the 700 W cap, at lower clocks than the short bursts of the main table
-(docs/PERF.md, session 22).
+(docs/PERF.md, "Decisions": decide in the steady state).
 
 With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank), it times the
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path

@@ -62,9 +62,9 @@ def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, batch: int = 5)
     """Times `fn` called back to back for `seconds` (CUDA events over batches of `batch` calls, the
     next batch queued before the last one is waited for, no L2 flush), sampling the SM clock and
     power every 10 ms from another thread. This is the steady state of training: on an H200 the
-    GEMMs then run at the 700 W cap, their clocks 1.4-1.6 GHz, where `bench_ms`' short bursts run
-    partly above it (docs/PERF.md, session 22). Time, clock and power are medians over the last
-    two thirds of the run, after the cap has set in."""
+    GEMMs then run at the 700 W cap, at lower clocks than `bench_ms`' short bursts (docs/PERF.md,
+    "Decisions": decide in the steady state). Time, clock and power are medians over the last two
+    thirds of the run, after the cap has set in."""
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     samples: list = []
