@@ -1,9 +1,10 @@
 """Device properties and input checks shared by every launcher."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -22,6 +23,22 @@ def set_num_sms(num_sms: int) -> None:
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     global _num_sms
     _num_sms = num_sms
+
+
+@contextlib.contextmanager
+def num_sms_capped(num_sms: int) -> Iterator[None]:
+    """Within the block, kernels launched use at most `num_sms` SMs (never more than an outer
+    `set_num_sms` cap allows); the cap before the block, or none, is restored after it. Read at
+    each launch: a kernel launched inside the block keeps its grid after it."""
+    if not isinstance(num_sms, int) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    global _num_sms
+    previous = _num_sms
+    _num_sms = num_sms if previous is None else min(previous, num_sms)
+    try:
+        yield
+    finally:
+        _num_sms = previous
 
 
 def get_num_sms(device: Optional[int] = None) -> int:

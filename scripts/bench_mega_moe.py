@@ -135,11 +135,16 @@ def print_gpu_gaps(prof, top: int = 8) -> None:
         print(f"  {length / 1e3:6.3f} ms at {at / 1e3:7.3f} ms: after {before[:50]}, before {after[:50]}")
 
 
+def _leaves(inputs) -> list:
+    """The inputs as new autograd leaves (floating-point ones requiring gradients)."""
+    return [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+
+
 def _fwd_bwd_steps(fn, inputs, dy, iters: int, warmup: int, mark) -> list[tuple]:
     """`warmup + iters` fwd+bwd steps of `fn` with no sync between them (gradients created, not
     accumulated); `mark()` is taken before the fwd, between and after the bwd. Returns the timed
     steps' three marks each, after a final sync."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    leaves = _leaves(inputs)
     steps = []
     for i in range(warmup + iters):
         for t in leaves:
@@ -188,7 +193,7 @@ def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[flo
 
 def sustained_fwd_bwd(fn, inputs, dy, seconds: float) -> SustainedTiming:
     """fwd+bwd steps of `fn` back to back for `seconds` (`sustained_ms`: ms a step, SM clock, power)."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    leaves = _leaves(inputs)
 
     def step() -> None:
         for t in leaves:

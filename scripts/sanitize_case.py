@@ -20,6 +20,7 @@ from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
+from deep_gemm.utils import num_sms_capped  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
 require_sm90("sanitize_case.py")
@@ -89,12 +90,11 @@ for dtype in (torch.float32, torch.bfloat16):
                                                    c1.padded_offsets, accumulate=accumulate)
 # One CTA walks every tile: the weights' and the rows' quantization, and the weight gradient (its
 # next tile found during the current one's first MMAs).
-deep_gemm.set_num_sms(1)
-fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
-fp8_quantize_rows(d8)
-deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
-                                           torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
-deep_gemm.set_num_sms(torch.cuda.get_device_properties(0).multi_processor_count)
+with num_sms_capped(1):
+    fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
+    fp8_quantize_rows(d8)
+    deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
+                                               torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
 # The FP8 layer, forward and backward.
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
 y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
+from deep_gemm.utils import num_sms_capped  # noqa: E402
 from deep_gemm.quant import (empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              reference)
 from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error, same_bits,  # noqa: E402
@@ -325,12 +326,8 @@ def test_weight_gradient_walks_many_groups_on_few_sms(num_sms):
     """With few SMs each CTA walks many tiles, finding the next one (one or more groups on, some
     empty) while the current one's first MMAs run; every tile of every group is written once."""
     sizes = [(g % 5) * 70 for g in range(40)]  # 4 tiles a group, a fifth of the groups empty
-    previous = deep_gemm.get_num_sms()
-    deep_gemm.set_num_sms(num_sms)
-    try:
+    with num_sms_capped(num_sms):
         _, (exact, bar), _ = _run_k_grouped(sizes, 256, 256, torch.float32, False)
-    finally:
-        deep_gemm.set_num_sms(previous)
     assert exact <= bar, f"error {exact:.2e}, bar {bar:.2e}"
 
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import deep_gemm  # noqa: E402
+from deep_gemm.utils import num_sms_capped  # noqa: E402
 from deep_gemm.quant import (Fp8Rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              padded_group_width)
 from deep_gemm.quant import reference  # noqa: E402
@@ -229,14 +229,9 @@ def test_rows_kernel_equals_the_reference(m, k, power_of_two):
 def test_rows_kernel_walks_many_tiles_under_an_sm_cap():
     """Launched one CTA a tile, except under `set_num_sms`, where a few CTAs walk every tile."""
     x = _activations(1000, 1024)
-    previous = deep_gemm.get_num_sms()
-    deep_gemm.set_num_sms(1)
-    try:
-        with poisoned_allocations(8 * x.numel()) as poisoned:
-            out = fp8_quantize_rows(x.cuda())
-            assert poisoned(out.data) and poisoned(out.scales)
-    finally:
-        deep_gemm.set_num_sms(previous)
+    with num_sms_capped(1), poisoned_allocations(8 * x.numel()) as poisoned:
+        out = fp8_quantize_rows(x.cuda())
+        assert poisoned(out.data) and poisoned(out.scales)
     _assert_rows_equal(out, reference.fp8_quantize_rows_torch(x))
 
 

@@ -451,6 +451,22 @@ def test_num_sms_cap():
         deep_gemm.set_num_sms(0)
 
 
+def test_a_temporary_sm_cap_never_raises_an_outer_one_and_is_undone_on_error(monkeypatch):
+    from deep_gemm import utils
+    monkeypatch.setattr(utils, "_num_sms", None)
+    with utils.num_sms_capped(100):
+        assert utils._num_sms == 100
+        with utils.num_sms_capped(120):  # an outer cap holds
+            assert utils._num_sms == 100
+        assert utils._num_sms == 100
+    assert utils._num_sms is None
+    with pytest.raises(RuntimeError), utils.num_sms_capped(16):
+        raise RuntimeError("a failed launch")
+    assert utils._num_sms is None
+    with pytest.raises(ValueError, match="positive"), utils.num_sms_capped(0):
+        pass
+
+
 if __name__ == "__main__":
     if not HAS_SM90:
         sys.exit("needs an sm_90 GPU")
