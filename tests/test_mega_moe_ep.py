@@ -221,8 +221,6 @@ def _make_buffer(rank: int, world: int, device: torch.device, cpu_storages: list
 
 def _run_all(rank: int, world: int, verbose: bool, cpu_storages: dict) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    if device.type == "cpu":  # the ranks share the cores: each at its default thread count oversubscribes them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     for dims in ((H, I), (H_FP8, I_FP8)):  # _BUFFER[0] bf16, [1] FP8
         _BUFFER.append(_make_buffer(rank, world, device, cpu_storages.get(dims), *dims))
     if "ours (deep_ep)" in IMPLS and device.type == "cuda":

@@ -30,6 +30,8 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:  # CPU ranks share the machine's cores; each at torch's default thread count oversubscribes them
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
@@ -40,7 +42,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
 def launch(fn: Callable, num_processes: int, *args, backend: str | None = None) -> None:
     """Runs ``fn(rank, world, *args)`` in `num_processes` spawned processes joined in the
     default process group: NCCL, one GPU each, when there are enough GPUs, else gloo on the
-    CPU. An exception in any rank is raised here."""
+    CPU (each rank with its share of the cores' threads). An exception in any rank is raised here."""
     disable_multicast()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= num_processes else "gloo"
