@@ -38,8 +38,9 @@ struct RowScales {
 
 // A k-block's scales for the weight gradient (both operands per 128 x 1): a thread's two row
 // scales and its kNum / 2 column scales, read from the stage before its MMAs are issued (volatile
-// loads, which stay ahead of the MMAs' fence): 2-5% faster than reading them after the MMAs
-// (docs/PERF.md, "Decisions": FP8 weight gradient).
+// loads, which stay ahead of the MMAs' fence): at the power cap the layer 2% faster than with
+// them read after the MMAs, fp32 outputs up to 4% slower (docs/PERF.md, "Decisions": FP8 weight
+// gradient).
 template <uint32_t kNum>
 struct StageScales {
     static_assert(kNum % 4 == 0, "whole groups of 8 columns (4 accumulators a thread)");
