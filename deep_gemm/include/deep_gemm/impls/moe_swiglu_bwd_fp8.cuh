@@ -11,9 +11,10 @@
 // expert's end read as zeros, so the column copies' padding is zeros), each block's I / 128
 // column blocks in turn, keeping the rows' <d_act, act> in registers across them. A column
 // block's gate, up and d_act come by cp.async into shared memory (no registers held while they
-// load) and are turned into dz's halves and act_weighted there in place, one 8-value piece at a
-// time; the column copies are quantized from there. Two CTAs an SM: one computes while the
-// other's loads are in flight. Launched one CTA a block (the loop serves smaller grids).
+// load; one group a pass of rows, so the first rows are computed while the last still load) and
+// are turned into dz's halves and act_weighted there in place, one 8-value piece at a time; the
+// column copies are quantized from there. Two CTAs an SM: one computes while the other's loads
+// are in flight. Launched one CTA a block (the loop serves smaller grids).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include "../epilogue/activation.cuh"
@@ -40,6 +41,7 @@ struct MoESwiGLUBwdFp8Params {
 template <typename ScaleRule>
 struct MoESwiGLUBwdFp8 {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
+    static_assert(fp8_quantize::kNumPasses <= 8, "cp_async_wait_unrolled waits for up to 7 groups");
     struct Smem {
         fp8_quantize::ColumnSmem tiles[3];  // gate -> dz's gate half, up -> dz's up half, d_act -> act_weighted
         float weight[fp8_quantize::kTile];  // the block's row weights (zeros past its rows)
@@ -70,19 +72,23 @@ struct MoESwiGLUBwdFp8 {
                 dot[i] = 0.0f;
             for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
                 // (shared memory is free: the last column quantization ended with a barrier)
+                // one cp.async group a pass, so that pass i starts once its own pieces have landed
                 const __nv_bfloat16* h = p.h + row_begin * h_ld + kb * kTile;
-                TileRegs::copy_async(tiles[0].tile, h, h_ld, num_rows);
-                TileRegs::copy_async(tiles[1].tile, h + p.inter, h_ld, num_rows);
-                TileRegs::copy_async(tiles[2].tile, p.d_act + static_cast<uint64_t>(row_begin) * p.inter + kb * kTile,
-                                     p.inter, num_rows);
-                ptx::cp_async_commit();
-                ptx::cp_async_wait<0>();  // (each thread reads back only the pieces it copied)
-                if (kb == 0)
-                    __syncthreads();  // but the weights were copied by others
+                const __nv_bfloat16* d_act = p.d_act + static_cast<uint64_t>(row_begin) * p.inter + kb * kTile;
+                #pragma unroll
+                for (uint32_t i = 0; i < kNumPasses; ++i) {
+                    TileRegs::copy_piece_async(tiles[0].tile, h, h_ld, num_rows, i);
+                    TileRegs::copy_piece_async(tiles[1].tile, h + p.inter, h_ld, num_rows, i);
+                    TileRegs::copy_piece_async(tiles[2].tile, d_act, p.inter, num_rows, i);
+                    ptx::cp_async_commit();
+                }
                 uint8_t* dz_rows = p.dz_q + row_begin * h_ld + kb * kTile;
                 float* dz_row_scales = p.dz_scales + static_cast<uint64_t>(kb) * p.scales_ld + row_begin;
                 #pragma unroll
                 for (uint32_t i = 0; i < kNumPasses; ++i) {
+                    ptx::cp_async_wait_unrolled(kNumPasses - 1 - i);  // (each thread reads back only its own pieces)
+                    if (kb == 0 and i == 0)
+                        __syncthreads();  // but the weights, in the first group, were copied by others
                     uint4 piece[3];
                     float g[ptx::kBF16PerVec], u[ptx::kBF16PerVec], da[ptx::kBF16PerVec];
                     #pragma unroll

@@ -27,6 +27,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <uint32_t N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
+// cp_async_wait<n> for an n known once the caller's loop is unrolled (n < 8).
+__device__ __forceinline__ void cp_async_wait_unrolled(uint32_t n) {
+    switch (n) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        case 3: cp_async_wait<3>(); break;
+        case 4: cp_async_wait<4>(); break;
+        case 5: cp_async_wait<5>(); break;
+        case 6: cp_async_wait<6>(); break;
+        default: cp_async_wait<7>(); break;
+    }
+}
+
 // One arrival on `bar` once every cp.async this thread issued so far has landed. `noinc`:
 // the arrival is part of the barrier's expected count (see mma::GemmSmem::init_barriers).
 __device__ __forceinline__ void cp_async_arrive_noinc(MBarrier* bar) {

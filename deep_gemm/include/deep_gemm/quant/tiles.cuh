@@ -71,15 +71,12 @@ struct TileRegs {
         }
     }
 
-    // `load`'s rows into `smem` [128][128] bf16 instead of registers, by cp.async: each thread
+    // `load`'s piece i into `smem` [128][128] bf16 instead of registers, by cp.async: each thread
     // copies the pieces it would load, so after its cp.async wait it may read them unsynchronized.
-    __device__ __forceinline__ static void copy_async(__nv_bfloat16* smem, const __nv_bfloat16* src, uint64_t ld,
-                                                      uint32_t num_rows) {
-        #pragma unroll
-        for (uint32_t i = 0; i < kNumPasses; ++i) {
-            const bool valid = row(i) < num_rows;
-            ptx::cp_async_16(smem + smem_offset(i), src + (valid ? row(i) : 0) * ld + col(), valid);
-        }
+    __device__ __forceinline__ static void copy_piece_async(__nv_bfloat16* smem, const __nv_bfloat16* src,
+                                                            uint64_t ld, uint32_t num_rows, uint32_t i) {
+        const bool valid = row(i) < num_rows;
+        ptx::cp_async_16(smem + smem_offset(i), src + (valid ? row(i) : 0) * ld + col(), valid);
     }
 
     // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
