@@ -38,7 +38,9 @@ struct alignas(128) MGroupedFp8GemmParams {
     uint32_t a_scales_ld, b_scales_stride_g, b_scales_stride_n, b_scales_stride_k, act_scales_ld;
 };
 
-template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epilogue>
+// Turns: mma::IssueTurns or mma::NoTurns (the math warpgroups' MMA batches in turns or not;
+// mma/pipeline_fp8.cuh).
+template <uint32_t BLOCK_N, uint32_t kNumStages, typename Producer, typename Epilogue, typename Turns>
 struct Sm90FP8MGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
     static_assert(BLOCK_N == 128 or BLOCK_N == 256, "one B scale block per 128 columns and k-block");
@@ -123,6 +125,8 @@ struct Sm90FP8MGroupedGemm {
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
+            const Turns turns(wg);
+            turns.prime();
             // The next tile is found while this tile's first MMAs run: the scheduler's walk then
             // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic).
             typename Scheduler::Tile upcoming;
@@ -132,7 +136,7 @@ struct Sm90FP8MGroupedGemm {
                 const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
                                                    tile.n_begin};
                 zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, 128, kNumStages, kNumProductSets>(
+                consume_k_blocks_fp8<BLOCK_N, 128, kNumStages, kNumProductSets, Turns>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t, uint32_t cols) {
                         const float b = smem.scales(stage)[kBScaleSlot + cols];
@@ -143,12 +147,13 @@ struct Sm90FP8MGroupedGemm {
                         if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy
                             ptx::fence_view_async_shared();
                     },
-                    [&] { more = scheduler.next(upcoming); });
+                    [&] { more = scheduler.next(upcoming); }, turns);
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 Epilogue::store(acc, p, rows, staging, 1 + wg);
                 timeline::mark(timeline::kEpilogueEnd, tile.group);
                 tile = upcoming;
             }
+            turns.finish();
             Epilogue::drain();
         }
     }

@@ -83,6 +83,45 @@ __device__ __forceinline__ void for_each_product(std::integer_sequence<uint32_t,
     (f(std::integral_constant<uint32_t, kCols>{}), ...);
 }
 
+// Turns policies of consume_k_blocks_fp8 (`turns`): when each math warpgroup issues its MMAs.
+//
+// IssueTurns: the two warpgroups' MMA batches in strict turns (warpgroup 0, 1, 0, 1, ...), each
+// waiting for the other's previous batch to be issued, so that the tensor cores run one
+// warpgroup's batch while the other waits for and promotes its last one; without turns both
+// issue at once, their batches complete together, and both promote while the tensor cores idle.
+// Where it pays: docs/PERF.md, "Decisions": MMA turns. Named barriers kTurnBarrier (warpgroup 0
+// issued) and kTurnBarrier + 1 (warpgroup 1 issued), every arrival matched: warpgroup 1 arrives
+// once at the start (`prime`), warpgroup 0 takes that last arrival in `finish`.
+struct IssueTurns {
+    static constexpr uint32_t kTurnBarrier = 8;
+    uint32_t wg;
+
+    __device__ __forceinline__ explicit IssueTurns(uint32_t wg) : wg(wg) {}
+    __device__ __forceinline__ void prime() const {
+        if (wg == 1)
+            ptx::named_barrier_arrive(kTurnBarrier + 1, kNumMathThreads);
+    }
+    __device__ __forceinline__ void before_issue() const {
+        ptx::named_barrier_sync(kTurnBarrier + (wg ^ 1), kNumMathThreads);
+    }
+    __device__ __forceinline__ void after_issue() const {
+        ptx::named_barrier_arrive(kTurnBarrier + wg, kNumMathThreads);
+    }
+    __device__ __forceinline__ void finish() const {
+        if (wg == 0)
+            ptx::named_barrier_sync(kTurnBarrier + 1, kNumMathThreads);
+    }
+};
+
+// Without turns: each warpgroup issues as soon as its stage has landed.
+struct NoTurns {
+    __device__ __forceinline__ explicit NoTurns(uint32_t) {}
+    __device__ __forceinline__ void prime() const {}
+    __device__ __forceinline__ void before_issue() const {}
+    __device__ __forceinline__ void after_issue() const {}
+    __device__ __forceinline__ void finish() const {}
+};
+
 // consume_k_blocks_fp8's `after_first` by default: nothing.
 struct NoWork {
     __device__ __forceinline__ void operator()() const {}
@@ -97,16 +136,18 @@ struct NoWork {
 // producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
 // landed and before any MMA reads it; `after_first()` once the tile's first MMAs are issued (work
 // that then overlaps them, e.g. the scheduler's next tile; also called when there is no k-block).
+// `turns` (IssueTurns, NoTurns) is called around each batch of MMAs issued.
 // kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer).
-template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets, typename Smem,
-          typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
+template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
+          typename Turns = NoTurns, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma,
-                                                     const AfterFirst& after_first = {}) {
+                                                     const AfterFirst& after_first = {},
+                                                     const Turns& turns = Turns(0)) {
     constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
@@ -134,12 +175,14 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
             timeline::mark(timeline::kStageLanded, next.stage);
             before_mma(next.stage);
         }
+        turns.before_issue();
         warpgroup_fence_operand(part);
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)  // k32 slices, 32 bytes apart in the swizzle row
             WGMMAFp8<kProductN>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
         warpgroup_commit_batch();
+        turns.after_issue();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts)
             next.template advance<kNumStages>();

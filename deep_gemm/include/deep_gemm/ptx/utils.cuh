@@ -50,6 +50,12 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_thr
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(num_threads) : "memory");
 }
 
+// Arrive on a named barrier without waiting (the other `num_threads` minus these wait in
+// named_barrier_sync).
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(num_threads) : "memory");
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
