@@ -63,9 +63,8 @@ def get_kernel(producer: str, block_n: int, epilogue: str = BF16_STORE) -> Kerne
     config = CONFIGS[block_n] if epilogue == BF16_STORE else SWIGLU_CONFIGS[epilogue]
     args = {BF16_STORE: f"{block_n}, deep_gemm::epilogue::WholeTileTma",
             SWIGLU_FP8_ACT_STORE: f"{block_n}, deep_gemm::ptx::Fp32Scale"}.get(epilogue, f"{block_n}")
-    # The math warpgroups issue their MMAs in turns where A's rows come by TMA (the forward at
-    # 235B 4-5% faster at the power cap); with gathered rows turns measured 1-2% slower
-    # (docs/PERF.md, "Decisions": MMA turns).
+    # The math warpgroups issue their MMAs in turns where A's rows come by TMA; with gathered rows
+    # turns measured slower (docs/PERF.md, "Decisions": MMA turns).
     turns = "IssueTurns" if producer == FP8_TMA_ROWS else "NoTurns"
     kernel_type = (f"deep_gemm::Sm90FP8MGroupedGemm<{block_n}, {config.num_stages}, "
                    f"deep_gemm::producer::{producer}, deep_gemm::epilogue::{epilogue}<{args}>, "
