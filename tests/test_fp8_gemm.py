@@ -119,6 +119,19 @@ def test_product_of_the_dequantized_operands(spec, n, k, data_gradient, gather):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_many_tiles_on_few_sms(num_sms, gather):
+    """With few SMs each CTA walks many tiles of ragged and empty groups, and the two math
+    warpgroups' turns at issuing their MMAs (TMA rows) carry from tile to tile: every row is
+    written, as the product of the dequantized operands."""
+    sizes = [(g % 5) * 70 for g in range(40)]  # up to 3 tiles of rows a group, a fifth of the groups empty
+    with num_sms_capped(num_sms):
+        *_, (exact, bar) = _run(sizes, 512, 384, gather=gather)
+    assert exact <= bar, f"error {exact:.2e}, bar {bar:.2e}"
+
+
+@requires_sm90
 @pytest.mark.parametrize("spec,n,k", [("uniform", 1536, 2048), ("skewed", 2048, 768), ([5000], 384, 2048)])
 def test_blockwise_recipe_is_at_least_as_accurate_as_torch_rowwise(spec, n, k):
     sizes, a, b, offsets, d, _ = _run(spec, n, k)
