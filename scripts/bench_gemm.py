@@ -55,7 +55,7 @@ from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: 
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import (bench_ms, offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
-                               sustained_ms, warm_up_gpu)
+                               sustained_ms, upper_median, warm_up_gpu)
 from deep_gemm.testing.fp8_baseline import quantize_rowwise, torch_fp8_rowwise_wgrad  # noqa: E402
 
 
@@ -263,8 +263,7 @@ def interleaved_ms(fn, baseline, rounds: int = 3, sustained: Optional[float] = N
         ours.append(time_ms(fn))
         if baseline is not None:
             theirs.append(time_ms(baseline))
-    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
-    return median(ours), median(theirs)
+    return upper_median(ours), upper_median(theirs)
 
 
 def launch_overhead_us() -> tuple[float, float]:

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 from bench_common import MODELS, require_sm90  # noqa: E402
-from deep_gemm.testing import SustainedTiming, sustained_ms, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import SustainedTiming, sustained_ms, upper_median, warm_up_gpu  # noqa: E402
 from megamoe_bwd import grouped_mm_moe, make_moe_inputs, mega_moe  # noqa: E402
 from megamoe_bwd.baseline import fp8_rowwise_moe  # noqa: E402
 
@@ -159,11 +159,6 @@ def _fwd_bwd_steps(fn, inputs, dy, iters: int, warmup: int, mark) -> list[tuple]
     return steps[warmup:]
 
 
-def _median(values) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def _recorded_event() -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -180,15 +175,15 @@ def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
     steps = _fwd_bwd_steps(fn, inputs, dy, iters, warmup, _recorded_event)
     peak = torch.cuda.max_memory_allocated() - base
     peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
-    return (_median(a.elapsed_time(b) for a, b, _ in steps), _median(b.elapsed_time(c) for _, b, c in steps),
-            peak, peak_reserved)
+    return (upper_median(a.elapsed_time(b) for a, b, _ in steps),
+            upper_median(b.elapsed_time(c) for _, b, c in steps), peak, peak_reserved)
 
 
 def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[float, float]:
     """Median host milliseconds to issue one fwd and one bwd of `fn`, stepped as `time_fwd_bwd`
     steps it: when their sum exceeds the step's GPU time, the GPU waits for the host."""
     steps = _fwd_bwd_steps(fn, inputs, dy, iters, warmup, time.perf_counter)
-    return _median((b - a) * 1e3 for a, b, _ in steps), _median((c - b) * 1e3 for _, b, c in steps)
+    return upper_median((b - a) * 1e3 for a, b, _ in steps), upper_median((c - b) * 1e3 for _, b, c in steps)
 
 
 def sustained_fwd_bwd(fn, inputs, dy, seconds: float) -> SustainedTiming:

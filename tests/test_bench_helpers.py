@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms
+import math
+
+from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms, upper_median
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,3 +32,9 @@ def test_sustained_timing_runs_at_least_one_batch():
 def test_sustained_timing_refuses_an_empty_batch_before_touching_the_gpu():
     with pytest.raises(ValueError, match="batch"):
         sustained_ms(lambda: None, batch=0)
+
+
+def test_upper_median_is_a_measured_value():
+    assert upper_median([3.0, 1.0, 2.0]) == 2.0
+    assert upper_median(iter([4.0, 1.0, 3.0, 2.0])) == 3.0  # the upper middle, not 2.5
+    assert math.isnan(upper_median([]))

@@ -1,8 +1,9 @@
-"""Timing on the GPU: short bursts (`bench_ms`), the steady state (`sustained_ms`), a warm-up."""
+"""Timing on the GPU: short bursts (`bench_ms`), the steady state (`sustained_ms`), a warm-up, and
+the median the benchmarks report (`upper_median`)."""
 import statistics
 import threading
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -41,6 +42,13 @@ def warm_up_gpu(seconds: float = 1.0) -> None:
         end.synchronize()
         if start.elapsed_time(end) > seconds * 1e3:
             return
+
+
+def upper_median(values: Iterable[float]) -> float:
+    """The median of `values`, the upper of the two middle ones for an even count (a time that
+    was measured, not an average of two); NaN when there are none."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 class SustainedTiming(NamedTuple):
