@@ -2,6 +2,10 @@
 bytes written, over the median time), against torch.compile'd PyTorch doing the same
 quantization and against an HBM copy of the input (the roofline), measured in one run:
     rows      x [T, H]            -> fp8 [T, H], 1 x 128 scales        (GEMM1's A)
+    cols x gather  x [T, H], rows gathered by a routing layout (each expert's tokens in token order)
+              -> the transposed copy per 128 x 1 (the FP8 backward's dl1 operand; GB/s counts every
+              routed row as read, the bytes a kernel without reuse in L2 moves; torch: the rows of
+              the gathered rows)
     rows+cols dy [T * K, H]       -> rows, and the transposed copy per 128 x 1 in E ragged groups
               act [T * K, I]         (the weight gradients' operands; torch: rows only, no transpose)
     weights   l1 [E, 2I, H], l2   -> fp8 in both orientations, 128 x 128 scales
@@ -26,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import MODELS, require_sm90  # noqa: E402
 from deep_gemm.moe.kernels import moe_swiglu_bwd_bf16  # noqa: E402
 from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8  # noqa: E402
-from deep_gemm.moe.layout import RoutingLayout  # noqa: E402
+from deep_gemm.moe.layout import RoutingLayout, build_routing_layout_torch  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights, reference  # noqa: E402
 from deep_gemm.testing import bench_ms, offsets_from_sizes, random_group_sizes, same_bits, warm_up_gpu  # noqa: E402
+from megamoe_bwd import make_moe_inputs  # noqa: E402
 
 
 def _gbps(num_bytes: int, ms: float) -> float:
@@ -51,6 +56,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
     yield ("rows x", 2 * x.numel(), _rows_bytes(tokens, hidden), lambda: fp8_quantize_rows(x),
            _rows_bytes(tokens, hidden), lambda: torch_rows(x),
            lambda: same_bits(fp8_quantize_rows(x).data, reference.fp8_quantize_rows_torch(x).data))
+    yield gathered_columns_case(x, experts, topk, routing)
     for name, width in (("dy", hidden), ("act", inter)):
         rows = torch.randn(routed, width, device="cuda", dtype=torch.bfloat16)
         padded = reference.padded_group_width(routed, experts)
@@ -72,6 +78,28 @@ def cases(model: str, routing: str, gen: torch.Generator):
         yield (f"weights {name}", 2 * w.numel(), num_bytes, lambda w=w: fp8_quantize_weights(w), num_bytes,
                lambda w=w: torch_weights(w),
                lambda w=w: same_bits(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
+
+
+def gathered_columns_case(x: torch.Tensor, experts: int, topk: int, routing: str):
+    """x's columns gathered by the routing layout of a random top-k routing (`make_moe_inputs`'
+    law: uniform or skewed), as the FP8 backward quantizes them for dl1."""
+    tokens, hidden = x.shape
+    p = make_moe_inputs(tokens, 128, 128, experts, topk, device="cuda", routing=routing, seed=1)  # (its routing only)
+    layout = build_routing_layout_torch(p["topk_idx"], p["topk_weights"], experts)
+    offsets, index = layout.offsets, layout.row_token
+    routed = index.numel()
+    torch_rows = torch.compile(reference.fp8_quantize_rows_torch)
+    our_bytes = 2 * routed * hidden + hidden * reference.padded_group_width(routed, experts) * (1 + 4 / 128)
+
+    def check():
+        _, ours = fp8_quantize_columns(x, offsets, row_index=index)
+        _, ref = reference.fp8_quantize_columns_torch(x, offsets, row_index=index)
+        used = int(ref.padded_offsets[-1])
+        return (same_bits(ours.data[:, :used], ref.data[:, :used])
+                and same_bits(ours.scales[:used // 128], ref.scales[:used // 128]))
+
+    return ("cols x gather", 2 * x.numel(), our_bytes, lambda: fp8_quantize_columns(x, offsets, row_index=index),
+            4 * routed * hidden + _rows_bytes(routed, hidden), lambda: torch_rows(x.index_select(0, index)), check)
 
 
 def swiglu_bwd_case(routed: int, inter: int, offsets: torch.Tensor):
@@ -117,7 +145,7 @@ def main() -> None:
     for model in args.models.split(","):
         for i, routing in enumerate(args.routing.split(",")):
             for label, in_bytes, our_bytes, ours, torch_bytes, theirs, check in cases(model, routing, gen):
-                if i > 0 and not label.startswith(("rows+cols", "swiglu")):
+                if i > 0 and not label.startswith(("rows+cols", "cols", "swiglu")):
                     continue  # no groups there: one routing is enough
                 ours_ms, theirs_ms = bench_ms(ours), bench_ms(theirs)
                 src = torch.empty(in_bytes, dtype=torch.uint8, device="cuda")

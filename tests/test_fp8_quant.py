@@ -275,6 +275,27 @@ def test_gathered_columns_kernel_equals_the_reference(sizes, k):
 
 
 @requires_sm90
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
+@pytest.mark.parametrize("sizes", [
+    [2000, 5000, 0, 130, 1, 4000, 256, 900],  # about 12 frames: groups of fewer blocks and of many more
+    [3000] * 3,  # 24 blocks a group, 24 frames
+    [(g * 37) % 200 + 130 for g in range(1024)],  # the most groups: 2 frames (the order's shared memory)
+], ids=["ragged", "equal", "1024_groups"])
+def test_columns_kernel_walks_every_block_in_its_frame_order(sizes, gather):
+    """The kernel visits the blocks frame by frame (every group's first blocks first): whatever
+    the frames, each block is quantized once, bit for bit the reference."""
+    x = _activations(sum(sizes) if not gather else max(sum(sizes) // 3, 1), 256)
+    index = _row_index(sum(sizes), x.shape[0]) if gather else None
+    offsets = offsets_from_sizes(sizes, "cpu")
+    ref_rows, ref = reference.fp8_quantize_columns_torch(x, offsets, row_index=index, with_rows=True)
+    rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=None if index is None else index.cuda(),
+                                      with_rows=True)
+    used = int(ref.padded_offsets[-1])
+    assert same_bits(cols.data[:, :used], ref.data[:, :used]) and same_bits(cols.scales[:used // 128], ref.scales[:used // 128])
+    _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
+
+
+@requires_sm90
 def test_columns_kernel_writes_into_the_storage_it_is_given():
     x = _activations(2000, 512).cuda()
     offsets = offsets_from_sizes(random_group_sizes(2000, 16, "skewed"), "cuda")
