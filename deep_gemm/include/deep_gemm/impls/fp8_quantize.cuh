@@ -94,9 +94,9 @@ struct Fp8RowsSource {
 
 }  // namespace fp8_quantize
 
-// Tiles walk the padded columns of qt in FrameOrder: block b of group g holds its rows 128 b.., the
-// rows past the group's end read as zeros (so qt's padding is zeros) and are not written to q (the
-// rows, when asked for; the rows alone are Fp8QuantizeRows').
+// Tiles walk the padded columns of qt: tile b's rows are rows padded[g] - offsets[g] + 128 b.. of
+// group g, the rows past the group's end read as zeros (so qt's padding is zeros) and are not
+// written to q (the rows, when asked for; the rows alone are Fp8QuantizeRows').
 template <typename ScaleRule, typename Source = fp8_quantize::Bf16RowsSource>
 struct Fp8QuantizeActivations {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
@@ -105,17 +105,13 @@ struct Fp8QuantizeActivations {
         using namespace fp8_quantize;
         __shared__ __align__(16) ColumnSmem column_smem;
         __shared__ int padded[kMaxGroups + 1];
-        __shared__ FrameOrder order;
         padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
-        order.build(padded, p.num_groups);
 
         const uint32_t num_k_blocks = p.k / kTile;
         const uint32_t num_tiles = static_cast<uint32_t>(padded[p.num_groups]) / kTile * num_k_blocks;
         const auto coords = [&](uint32_t t) {
-            uint32_t g, b;
-            order.locate(t / num_k_blocks, padded, p.num_groups, g, b);
-            TileCoords c{static_cast<uint32_t>(padded[g]) / kTile + b, t % num_k_blocks, 0, 0};
-            group_block_rows(p.offsets, p.m, g, b, c.row_begin, c.num_rows);
+            TileCoords c{t / num_k_blocks, t % num_k_blocks, 0, 0};
+            padded_block_rows(padded, p.offsets, p.num_groups, p.m, c.block, c.row_begin, c.num_rows);
             return c;
         };
         for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {

@@ -276,37 +276,12 @@ __device__ __forceinline__ void store_columns_fp8(const TileRegs& regs, ColumnSm
     store_smem_columns_fp8<ScaleRule, 1>(&smem, ld, [&](uint32_t) { return ColumnDst{qt, scales}; });
 }
 
-// The sum of the `sum`s of the CTA's threads before this one (in thread order), and in `total`
-// the sum of all. Every thread calls it.
-__device__ __forceinline__ int cta_exclusive_scan(int sum, int& total) {
-    __shared__ int warp_sums[kNumThreads / 32];
-    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int inclusive = sum;
-    #pragma unroll
-    for (uint32_t d = 1; d < 32; d *= 2) {
-        const int other = __shfl_up_sync(0xffffffff, inclusive, d);
-        if (lane >= d)
-            inclusive += other;
-    }
-    if (lane == 31)
-        warp_sums[warp] = inclusive;
-    __syncthreads();
-    int before = inclusive - sum;
-    total = 0;
-    #pragma unroll
-    for (uint32_t w = 0; w < kNumThreads / 32; ++w) {
-        before += w < warp ? warp_sums[w] : 0;
-        total += warp_sums[w];
-    }
-    __syncthreads();  // (warp_sums is free for the next call)
-    return before;
-}
-
 // padded[g] = sum over g' < g of group g' (rows offsets[g'] .. offsets[g' + 1], clamped to m) rounded
 // up to 128 rows: an exclusive scan, each thread over up to kMaxGroups / kNumThreads groups. CTA 0
 // also writes it to `out` for the GEMMs. Every thread calls it; `padded` is ready when it returns.
 __device__ __forceinline__ void padded_offsets(const int* offsets, uint32_t num_groups, uint32_t m, int* padded,
                                                int* out) {
+    __shared__ int warp_sums[kNumThreads / 32];
     constexpr uint32_t kPerThread = kMaxGroups / kNumThreads;
     const uint32_t first = threadIdx.x * kPerThread;
     int sizes[kPerThread], sum = 0;
@@ -320,16 +295,28 @@ __device__ __forceinline__ void padded_offsets(const int* offsets, uint32_t num_
         }
         sum += sizes[j];
     }
-    int total;
-    int before = cta_exclusive_scan(sum, total);
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int inclusive = sum;
+    #pragma unroll
+    for (uint32_t d = 1; d < 32; d *= 2) {
+        const int other = __shfl_up_sync(0xffffffff, inclusive, d);
+        if (lane >= d)
+            inclusive += other;
+    }
+    if (lane == 31)
+        warp_sums[warp] = inclusive;
+    __syncthreads();
+    int before = inclusive - sum;
+    for (uint32_t w = 0; w < warp; ++w)
+        before += warp_sums[w];
     #pragma unroll
     for (uint32_t j = 0; j < kPerThread; ++j) {
         if (first + j < num_groups)
             padded[first + j] = before;
         before += sizes[j];
     }
-    if (threadIdx.x == 0)
-        padded[num_groups] = total;
+    if (threadIdx.x == kNumThreads - 1)  // (its `before` now holds every group)
+        padded[num_groups] = before;
     __syncthreads();
     if (blockIdx.x == 0) {
         for (uint32_t g = threadIdx.x; g <= num_groups; g += kNumThreads)
@@ -350,83 +337,15 @@ __device__ __forceinline__ uint32_t group_of(const int* padded, uint32_t num_gro
     return lo;
 }
 
-// The rows of group g's block b (its rows 128 b.., padded with zeros to 128): the first real row and
-// how many of the 128 are real.
-__device__ __forceinline__ void group_block_rows(const int* offsets, uint32_t m, uint32_t g, uint32_t b,
-                                                 uint32_t& row_begin, uint32_t& num_rows) {
-    const uint32_t begin = ptx::clamped_offset(offsets, g, 0, m), end = ptx::clamped_offset(offsets, g + 1, begin, m);
-    row_begin = begin + b * kTile;
-    num_rows = min(kTile, end - min(row_begin, end));
-}
-
-// The rows of padded block `block` (128 padded rows of one group), as group_block_rows.
+// The rows of padded block `block` (128 padded rows of one group): the first real row and how
+// many of the 128 are real (the rest are the group's zero padding).
 __device__ __forceinline__ void padded_block_rows(const int* padded, const int* offsets, uint32_t num_groups,
                                                   uint32_t m, uint32_t block, uint32_t& row_begin, uint32_t& num_rows) {
     const uint32_t g = group_of(padded, num_groups, block * kTile);
-    group_block_rows(offsets, m, g, block - static_cast<uint32_t>(padded[g]) / kTile, row_begin, num_rows);
+    const uint32_t begin = ptx::clamped_offset(offsets, g, 0, m), end = ptx::clamped_offset(offsets, g + 1, begin, m);
+    row_begin = begin + block * kTile - padded[g];
+    num_rows = min(kTile, end - min(row_begin, end));
 }
-
-// An order of the padded blocks (in shared memory, built by the whole CTA) frame by frame: of F
-// frames, frame f holds each group's blocks b with floor(b F / nb) = f (nb: the group's blocks),
-// group by group. The routing layout keeps each expert's rows in token order, so frame f of every
-// group gathers rows from about the same f-th F-th of the tokens: while the CTAs work through a
-// frame its tokens stay in L2, and each gathered row is read from HBM about once rather than once
-// per expert that routes it (docs/PERF.md, "Decisions": FP8 quantization grids). F is about the
-// blocks a group (a frame then holds about one block of each), at most kMaxCells / G; F = 1 is
-// the blocks' own order.
-struct FrameOrder {
-    static constexpr uint32_t kMaxCells = 2048;
-    int start[kMaxCells + 1];  // start[f G + g]: cell (f, g)'s first position; start[F G] = the blocks
-    uint32_t num_frames;  // F (read per tile from here: one register fewer across the tile loop)
-
-    // Every thread calls it, with padded_offsets' `padded`.
-    __device__ __forceinline__ void build(const int* padded, uint32_t num_groups) {
-        const uint32_t num_blocks = static_cast<uint32_t>(padded[num_groups]) / kTile;
-        const uint32_t num_frames = max(1u, min(num_blocks / num_groups, kMaxCells / num_groups));
-        const uint32_t num_cells = num_frames * num_groups;
-        constexpr uint32_t kPerThread = kMaxCells / kNumThreads;
-        const uint32_t first = threadIdx.x * kPerThread;
-        int counts[kPerThread], sum = 0;
-        #pragma unroll
-        for (uint32_t j = 0; j < kPerThread; ++j) {
-            const uint32_t cell = first + j, f = cell / num_groups, g = cell % num_groups;
-            counts[j] = 0;
-            if (cell < num_cells) {
-                const uint32_t nb = static_cast<uint32_t>(padded[g + 1] - padded[g]) / kTile;
-                counts[j] = static_cast<int>(ptx::ceil_div((f + 1) * nb, num_frames) - ptx::ceil_div(f * nb, num_frames));
-            }
-            sum += counts[j];
-        }
-        int total;
-        int before = cta_exclusive_scan(sum, total);
-        #pragma unroll
-        for (uint32_t j = 0; j < kPerThread; ++j) {
-            if (first + j < num_cells)
-                start[first + j] = before;
-            before += counts[j];
-        }
-        if (threadIdx.x == 0)
-            start[num_cells] = total, this->num_frames = num_frames;
-        __syncthreads();
-    }
-
-    // The block at position `pos` (below the blocks): its group g and its index b in the group.
-    __device__ __forceinline__ void locate(uint32_t pos, const int* padded, uint32_t num_groups, uint32_t& g,
-                                           uint32_t& b) const {
-        uint32_t lo = 0, hi = num_frames * num_groups;  // start[lo] <= pos < start[hi]
-        while (hi - lo > 1) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (static_cast<uint32_t>(start[mid]) <= pos)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        const uint32_t f = lo / num_groups;
-        g = lo % num_groups;
-        const uint32_t nb = static_cast<uint32_t>(padded[g + 1] - padded[g]) / kTile;
-        b = ptx::ceil_div(f * nb, num_frames) + pos - static_cast<uint32_t>(start[lo]);
-    }
-};
 
 }  // namespace fp8_quantize
 
