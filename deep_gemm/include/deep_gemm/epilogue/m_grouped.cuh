@@ -6,7 +6,9 @@
 //   prefetch(p)      its tensor maps, once per CTA by one thread;
 //   store(acc, p, rows, staging, barrier_id)   one tile's share (`barrier_id`: a named barrier
 //                    of this warpgroup's 128 threads);
-//   drain()          before the kernel exits: bulk stores still in flight.
+//   drain()          before the kernel exits: bulk stores still in flight;
+//   kFitsBesideProduct  store() fits the registers left beside an FP8 product in flight (the FP8
+//                    kernel then runs it during the next tile's first MMAs).
 // Params are the kernel's: d, n, tensor_map_d (and act, tensor_map_act for SwiGLU; act_fp8,
 // act_scales, act_scales_ld for its e4m3 act).
 #include <cstdint>
@@ -75,6 +77,7 @@ struct WholeTileTma {
 template <uint32_t BLOCK_N, typename Tma = ChunkedTma>
 struct BF16TensorStore {
     using Columns = ContiguousColumns;
+    static constexpr bool kFitsBesideProduct = true;
     static constexpr uint32_t kStagingBytes = ptx::max_of(kTensorStoreStagingBytes<BLOCK_N>, Tma::template kBytes<BLOCK_N>);
 
     template <typename Params>
@@ -103,6 +106,7 @@ template <uint32_t BLOCK_N>
 struct SwiGLUTensorStore {
     static_assert(BLOCK_N == 256, "a tile pairs 128 gate with 128 up columns");
     using Columns = GateUpColumns;
+    static constexpr bool kFitsBesideProduct = false;  // (ptxas spills: the act's arithmetic)
     static constexpr uint32_t kStagingBytes = kTensorStoreStagingBytes<BLOCK_N>;
     static constexpr uint32_t kHalf = BLOCK_N / 4;  // accumulators per thread of each half
 

@@ -46,6 +46,10 @@ struct Sm90FP8MGroupedGemm {
     static_assert(BLOCK_N == 128 or BLOCK_N == 256, "one B scale block per 128 columns and k-block");
     // Two sets of fresh products fit the registers beside 64 accumulators, not beside 128.
     static constexpr uint32_t kNumProductSets = BLOCK_N == 128 ? 2 : 1;
+    // A tile's epilogue runs while the next tile's first product is in flight, whose promotion
+    // then overwrites acc (no zeroed sums live beside the leaving ones): where the epilogue fits the
+    // registers beside one product (docs/PERF.md, "Decisions": epilogue beside the next tile).
+    static constexpr bool kEpilogueBesideNextTile = kNumProductSets == 1 and Epilogue::kFitsBesideProduct;
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes,
                               producer::kFp8ScaleStageBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
@@ -128,15 +132,19 @@ struct Sm90FP8MGroupedGemm {
             const Turns turns(wg);
             turns.prime();
             // The next tile is found while this tile's first MMAs run: the scheduler's walk then
-            // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic).
+            // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic); so
+            // does the previous tile's epilogue with kEpilogueBesideNextTile.
             typename Scheduler::Tile upcoming;
             bool more = scheduler.next(tile);
+            epilogue::WarpgroupRows done{0, 0, 0};  // the previous tile's rows, if `pending` (kEpilogueBesideNextTile)
+            bool pending = false;
             while (more) {
                 const uint32_t row = wg * 64;
                 const epilogue::WarpgroupRows rows{tile.row_begin + row, tile.num_rows > row ? tile.num_rows - row : 0,
                                                    tile.n_begin};
-                zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, 128, kNumStages, kNumProductSets, Turns>(
+                if constexpr (not kEpilogueBesideNextTile)
+                    zero_accum(acc);
+                consume_k_blocks_fp8<BLOCK_N, 128, kNumStages, kNumProductSets, Turns, kEpilogueBesideNextTile>(
                     smem, pipe, num_k_blocks, row * kSwizzleBytes, acc,
                     [&](uint32_t stage, uint32_t, uint32_t cols) {
                         const float b = smem.scales(stage)[kBScaleSlot + cols];
@@ -147,11 +155,25 @@ struct Sm90FP8MGroupedGemm {
                         if constexpr (Producer::kNumCopyThreads > 0)  // cp.async wrote A through the generic proxy
                             ptx::fence_view_async_shared();
                     },
-                    [&] { more = scheduler.next(upcoming); }, turns);
+                    [&] {
+                        more = scheduler.next(upcoming);
+                        if constexpr (kEpilogueBesideNextTile) {
+                            if (pending)
+                                Epilogue::store(acc, p, done, staging, 1 + wg);
+                        }
+                    }, turns);
                 timeline::mark(timeline::kMainloopEnd, tile.group);
-                Epilogue::store(acc, p, rows, staging, 1 + wg);
-                timeline::mark(timeline::kEpilogueEnd, tile.group);
+                if constexpr (kEpilogueBesideNextTile) {
+                    done = rows, pending = true;
+                } else {
+                    Epilogue::store(acc, p, rows, staging, 1 + wg);
+                    timeline::mark(timeline::kEpilogueEnd, tile.group);
+                }
                 tile = upcoming;
+            }
+            if constexpr (kEpilogueBesideNextTile) {
+                if (pending)
+                    Epilogue::store(acc, p, done, staging, 1 + wg);
             }
             turns.finish();
             Epilogue::drain();

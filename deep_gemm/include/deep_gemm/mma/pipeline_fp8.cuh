@@ -14,7 +14,8 @@ namespace deep_gemm::mma {
 constexpr uint32_t BLOCK_K_FP8 = 128;  // one 128-byte swizzle row of e4m3
 constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads / 32;  // every math warp releases a stage itself
 
-// A thread's share of a k-block's scales, which `promote` applies: acc += part * scale. The
+// A thread's share of a k-block's scales, which `promote` applies: acc += part * scale (acc =
+// part * scale with kFresh, the tile's first k-block where nothing zeroed acc). The
 // accumulator layout is mma/wgmma_fp8.cuh's: accumulator i is in row lane / 4 + 8 * ((i / 2) % 2)
 // of its warp's 16 and column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
 
@@ -28,11 +29,11 @@ __device__ __forceinline__ uint32_t accumulator_row() {
 struct RowScales {
     float row[2];
 
-    template <uint32_t kNum>
+    template <bool kFresh = false, uint32_t kNum>
     __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {
         #pragma unroll
         for (uint32_t i = 0; i < kNum; ++i)
-            acc[i] = fmaf(part[i], row[(i / 2) % 2], acc[i]);
+            acc[i] = kFresh ? part[i] * row[(i / 2) % 2] : fmaf(part[i], row[(i / 2) % 2], acc[i]);
     }
 };
 
@@ -70,10 +71,11 @@ struct RowColumnScales {
             scale[i] = (i % 2 ? s.col[i / 4].y : s.col[i / 4].x) * s.row[(i / 2) % 2];
     }
 
+    template <bool kFresh = false>
     __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {
         #pragma unroll
         for (uint32_t i = 0; i < kNum; ++i)
-            acc[i] = fmaf(part[i], scale[i], acc[i]);
+            acc[i] = kFresh ? part[i] * scale[i] : fmaf(part[i], scale[i], acc[i]);
     }
 };
 
@@ -140,9 +142,11 @@ struct NoWork {
 // kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
-// promoted in turn (kProductN / 2 registers fewer).
+// promoted in turn (kProductN / 2 registers fewer). kFirstOverwrites (one product set only): block
+// 0's promotion overwrites acc, which the caller need not zero (e.g. while `after_first` still
+// stores it).
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
-          typename Turns = NoTurns, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
+          typename Turns = NoTurns, bool kFirstOverwrites = false, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma,
@@ -151,7 +155,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
-                  (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1)));
+                  (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1 and not kFirstOverwrites)));
     timeline::mark(timeline::kTileStart, num_k_blocks);
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
@@ -189,7 +193,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     };
     // Product `cols` of block k_block (issued) into acc, once at most `newer` (0 or 1) newer MMA
     // batches are left in flight; after the block's last product's MMAs the stage is released.
-    const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols) {
+    const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols, auto fresh) {
         constexpr uint32_t kCols = decltype(cols)::value;
         const auto s = scales(pipe.stage, k_block, kCols);
         warpgroup_wait<decltype(newer)::value>();
@@ -200,11 +204,13 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
                 smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
         }
-        s.promote(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
+        s.template promote<decltype(fresh)::value>(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
     };
     constexpr std::integral_constant<int, 1> kOneNewer;
     constexpr std::integral_constant<int, 0> kNoneNewer;
     constexpr std::integral_constant<uint32_t, 0> kFirst;
+    constexpr std::integral_constant<bool, false> kAdd;
+    constexpr std::integral_constant<bool, kFirstOverwrites> kFirstBlock;
     if (num_k_blocks == 0) {
         after_first();
         return;
@@ -214,11 +220,11 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
             issue(part0, cols);
             if constexpr (decltype(cols)::value == 0)
                 after_first();
-            promote(kNoneNewer, part0, 0, cols);
+            promote(kNoneNewer, part0, 0, cols, kFirstBlock);
         });
         for (uint32_t k_block = 1; k_block < num_k_blocks; ++k_block)
             for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
-                issue(part0, cols), promote(kNoneNewer, part0, k_block, cols);
+                issue(part0, cols), promote(kNoneNewer, part0, k_block, cols, kAdd);
             });
         return;
     }
@@ -229,16 +235,16 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     uint32_t k_block = 0;
     for (; k_block + 2 < num_k_blocks; k_block += 2) {
         issue(part1, kFirst);
-        promote(kOneNewer, part0, k_block, kFirst);
+        promote(kOneNewer, part0, k_block, kFirst, kAdd);
         issue(part0, kFirst);
-        promote(kOneNewer, part1, k_block + 1, kFirst);
+        promote(kOneNewer, part1, k_block + 1, kFirst, kAdd);
     }
     if (k_block + 1 < num_k_blocks) {
         issue(part1, kFirst);
-        promote(kOneNewer, part0, k_block, kFirst);
-        promote(kNoneNewer, part1, k_block + 1, kFirst);
+        promote(kOneNewer, part0, k_block, kFirst, kAdd);
+        promote(kNoneNewer, part1, k_block + 1, kFirst, kAdd);
     } else {
-        promote(kNoneNewer, part0, k_block, kFirst);
+        promote(kNoneNewer, part0, k_block, kFirst, kAdd);
     }
 }
 
