@@ -30,8 +30,9 @@ class MegaMoE(torch.nn.Module):
         also across nodes;
       - "nccl": `all_to_all_single` (`megamoe_bwd.ep.ep_mega_moe_nccl`), no buffer.
     The default picks "nvlink" with a buffer and "nccl" without. `fp8` runs the expert GEMMs in
-    blockwise FP8 (`mega_moe(..., fp8=True)`), on one GPU or over "nvlink", whose exchange then
-    moves the tokens quantized (`ep_mega_moe_nvlink(..., fp8=True)`).
+    blockwise FP8 (`mega_moe(..., fp8=True)`), on one GPU or over "nvlink" or "deep_ep", whose
+    exchanges then move the tokens quantized (`ep_mega_moe_nvlink(..., fp8=True)`,
+    `ep_mega_moe_deep_ep(..., fp8=True)`).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
@@ -46,9 +47,9 @@ class MegaMoE(torch.nn.Module):
         if fp8 and (hidden % 128 or intermediate % 128):
             raise ValueError(f"fp8=True needs hidden and intermediate multiples of 128, got {hidden} and {intermediate}")
         backend = backend or ("nvlink" if buffer is not None else "nccl")
-        if fp8 and group is not None and backend != "nvlink":
-            raise ValueError(f"fp8=True with expert parallelism runs over the 'nvlink' backend only (the FP8 token "
-                             f"exchange); got {backend!r}")
+        if fp8 and group is not None and backend == "nccl":
+            raise ValueError("fp8=True with expert parallelism runs over the 'nvlink' and 'deep_ep' backends (their FP8 "
+                             "token exchanges), not 'nccl'")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: pick one of {BACKENDS}")
         if group is None and (buffer is not None or backend != "nccl"):
@@ -78,5 +79,5 @@ class MegaMoE(torch.nn.Module):
         if self.backend == "nvlink":
             return ep.ep_mega_moe_nvlink(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer, fp8=self.fp8)
         if self.backend == "deep_ep":
-            return ep.ep_mega_moe_deep_ep(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer)
+            return ep.ep_mega_moe_deep_ep(x, topk_idx, topk_weights, self.l1, self.l2, self.buffer, fp8=self.fp8)
         return ep.ep_mega_moe_nccl(x, topk_idx, topk_weights, self.l1, self.l2, self.group)

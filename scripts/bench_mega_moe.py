@@ -31,7 +31,8 @@ With --num-processes N (expert parallelism, one GPU per rank, `tokens` per rank)
 TorchTitan-style all-to-all baseline (`megamoe_bwd.ep.all_to_all_moe`), our NVLink path
 (`ep_mega_moe_nvlink`: x and dy pulled by the copy engines while GEMM1 and dA's GEMM start on
 the rank's own tokens; "ours, nvlink fp8": the same in blockwise FP8, tokens exchanged quantized),
-ours over DeepEP when it is installed (`ep_mega_moe_deep_ep`), ours
+ours over DeepEP when it is installed (`ep_mega_moe_deep_ep`; "ours, deep_ep fp8": in blockwise
+FP8, tokens dispatched quantized), ours
 with the all-to-all exchange (`ep_mega_moe_nccl`) and the compute-only time of each rank's work
 (torch._grouped_mm on uniform groups, and our single-GPU layer on T tokens routed over the
 local experts), and reports per-GPU numbers (the slowest rank's median), each path's speed-up
@@ -339,7 +340,10 @@ def ep_worker(rank: int, world: int, models: str, routings: str, tokens_arg, pro
                        if fp8_exchange_fits(buffer, l1.shape[0], inter) else {}),
                     "ours, a2a": lambda: time_fwd_bwd(ep_mega_moe_nccl, inputs, p["dy"]),
                     **({"ours, deep_ep": lambda: time_fwd_bwd(lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer),
-                                                              inputs, p["dy"])} if deep_ep_buffer is not None else {}),
+                                                              inputs, p["dy"]),
+                        "ours, deep_ep fp8": lambda: time_fwd_bwd(
+                            lambda *a: ep_mega_moe_deep_ep(*a, deep_ep_buffer, fp8=True), inputs, p["dy"])}
+                       if deep_ep_buffer is not None else {}),
                     "torch compute only": lambda: time_fwd_bwd(lambda r, a, b: expert_mlps(r, offs, a, b),
                                                                [rows, l1, l2], torch.randn_like(rows)),
                     # our single-GPU layer on the same per-rank work: T tokens, K slots over the local experts

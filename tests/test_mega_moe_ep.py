@@ -9,11 +9,14 @@ variables). Implementations checked: the TorchTitan-style all-to-all baseline; o
 NVLink (`ep_mega_moe_nvlink`, a symmetric-memory buffer; on the CPU, buffers in shared memory
 and emulated kernels), in bf16 and in FP8 (judged by the FP8 recipe's own error: within 1.5x of
 `megamoe_bwd.reference_fp8`'s, at H = I = 128); on GPUs, ours with the all-to-all exchange
-(`ep_mega_moe_nccl`) and, when `deep_ep` is importable, ours over DeepEP (`ep_mega_moe_deep_ep`).
+(`ep_mega_moe_nccl`); ours over DeepEP (`ep_mega_moe_deep_ep`, bf16 and FP8) on GPUs when `deep_ep` is
+importable, and in FP8 on the CPU over `emulated_deep_ep.EmulatedDeepEPBuffer` (DeepEP's dispatch
+and combine by all-to-all).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -40,25 +43,26 @@ CASES = {
     "a rank with no tokens": (lambda world: [0] + [40] * (world - 1), "skewed", 0.0),
     "a token names one expert twice": (lambda world: [20] * world, "repeat", 0.0),
 }
-_BUFFER: list = []  # this process's SymmBuffers (bf16 and FP8 dims) and deep_ep.Buffer, made once by _run_all
+_BUFFER: list = []  # this process's SymmBuffers (bf16 and FP8 dims) and DeepEP buffer, made once by _run_all
 IMPLS = {
     "all_to_all baseline": all_to_all_moe,
     "baseline, fp32 combine": lambda *args: all_to_all_moe(*args, deterministic_combine=True),
     "ours (nvlink)": lambda *args: ep_mega_moe_nvlink(*args, _BUFFER[0]),
     "ours (nvlink, fp8)": lambda *args: ep_mega_moe_nvlink(*args, _BUFFER[1], fp8=True),
     "ours (nccl exchange)": ep_mega_moe_nccl,
+    "ours (deep_ep)": lambda *args: ep_mega_moe_deep_ep(*args, _BUFFER[2]),
+    "ours (deep_ep, fp8)": lambda *args: ep_mega_moe_deep_ep(*args, _BUFFER[2], fp8=True),
 }
-try:  # DeepEP is optional: built from source on the GPU machines for these tests
-    import deep_ep  # noqa: F401
-    IMPLS["ours (deep_ep)"] = lambda *args: ep_mega_moe_deep_ep(*args, _BUFFER[2])
-except ImportError:
-    pass
-# On the CPU, ours runs with emulated kernels, in bf16 (its buffers' dtype).
-CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine", "ours (nvlink)", "ours (nvlink, fp8)")
-BF16_IMPLS = ("ours (nvlink)", "ours (nvlink, fp8)", "ours (nccl exchange)", "ours (deep_ep)")
+DEEP_EP_IMPLS = ("ours (deep_ep)", "ours (deep_ep, fp8)")
+HAS_DEEP_EP = importlib.util.find_spec("deep_ep") is not None  # (optional: built from source on GPU machines)
+# On the CPU, ours runs with emulated kernels, in bf16 (its buffers' dtype), and over DeepEP
+# emulated in FP8 (its bf16 path runs `bf16_mega_moe`, which takes CUDA tensors only).
+CPU_IMPLS = ("all_to_all baseline", "baseline, fp32 combine", "ours (nvlink)", "ours (nvlink, fp8)",
+             "ours (deep_ep, fp8)")
+BF16_IMPLS = ("ours (nvlink)", "ours (nvlink, fp8)", "ours (nccl exchange)") + DEEP_EP_IMPLS
 # Judged by the FP8 recipe's own error (megamoe_bwd.reference_fp8 on the whole problem): within
 # 1.5x of it, on every output, at the FP8 dims.
-FP8_IMPLS = ("ours (nvlink, fp8)",)
+FP8_IMPLS = ("ours (nvlink, fp8)", "ours (deep_ep, fp8)")
 
 
 def _problem(tokens: list[int], world: int, routing: str, empty: float, dtype: torch.dtype, hidden: int = H,
@@ -223,9 +227,13 @@ def _run_all(rank: int, world: int, verbose: bool, cpu_storages: dict) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     for dims in ((H, I), (H_FP8, I_FP8)):  # _BUFFER[0] bf16, [1] FP8
         _BUFFER.append(_make_buffer(rank, world, device, cpu_storages.get(dims), *dims))
-    if "ours (deep_ep)" in IMPLS and device.type == "cuda":
-        _BUFFER.append(make_deep_ep_buffer(dist.group.WORLD, H))
-    for impl_name in (IMPLS if device.type == "cuda" else CPU_IMPLS):
+    if device.type == "cpu":
+        from emulated_deep_ep import EmulatedDeepEPBuffer
+        _BUFFER.append(EmulatedDeepEPBuffer(dist.group.WORLD))
+    elif HAS_DEEP_EP:
+        _BUFFER.append(make_deep_ep_buffer(dist.group.WORLD, max(H, H_FP8)))
+    gpu_impls = [name for name in IMPLS if HAS_DEEP_EP or name not in DEEP_EP_IMPLS]
+    for impl_name in (gpu_impls if device.type == "cuda" else CPU_IMPLS):
         tol = 2e-2 if impl_name in BF16_IMPLS or device.type == "cuda" else 1e-5
         for case in CASES:
             errors = _check_rank(rank, world, impl_name, case, device, tol)
@@ -321,6 +329,16 @@ def test_the_fp8_path_needs_dims_of_128():
     p = make_moe_inputs(4, H, I, E_LOCAL, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="must be a multiple of 128"):
         ep_mega_moe_nvlink(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], _one_rank_buffer(), fp8=True)
+
+
+@pytest.mark.parametrize("fp8,error,match", [(True, ValueError, "must be a multiple of 128"),
+                                              (1, TypeError, "fp8 must be a bool")])
+def test_the_deep_ep_path_refuses_fp8_it_cannot_run_before_any_exchange(fp8, error, match):
+    from types import SimpleNamespace
+    p = make_moe_inputs(4, H, I, E_LOCAL, K, dtype=torch.bfloat16)  # (H, I = 64: not FP8 dims)
+    untouchable = SimpleNamespace(group_size=1)  # (any use of it beyond its size would fail)
+    with pytest.raises(error, match=match):
+        ep_mega_moe_deep_ep(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], untouchable, fp8=fp8)
 
 
 def test_nvlink_path_rejects_what_its_buffer_cannot_hold():

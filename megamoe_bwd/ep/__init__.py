@@ -6,6 +6,7 @@ e // E_local), tokens exchanged between ranks. Every path runs the single-GPU la
     symm.py       the symmetric buffer of the NVLink path (one per model, collective)
     exchange.py   the NVLink exchange: token counts, pulls by the copy engines, results back
     nvlink.py     ep_mega_moe_nvlink: the layer over that exchange, forward and backward
+    fp8_steps.py  the FP8 layer's steps on exchanged rows, shared by:
     deepep.py     ep_mega_moe_deep_ep: the layer over DeepEP's dispatch and combine (optional)
     alltoall.py   dispatch / combine over all_to_all_single, shared by:
     nccl.py       ep_mega_moe_nccl: our layer between them

@@ -89,6 +89,12 @@ class RowArrival:
     join: Callable[[], None]
 
 
+def landed(run_offsets: torch.Tensor) -> RowArrival:
+    """The `RowArrival` of rows that are all in already (one pass, nothing to wait for), e.g. those
+    DeepEP's dispatch returns."""
+    return RowArrival(run_offsets, 1, None, lambda: None)
+
+
 def pull_tokens(own: torch.Tensor, buffer: SymmBuffer, region: str, run_offsets: torch.Tensor) -> tuple[torch.Tensor, RowArrival]:
     """All ranks' staged rows of `region` (each rank's ``[M, C]`` rows, staged before a barrier
     of this exchange), in pass order: ``[world * M, C]``, this rank's `own` ``[T, C]``

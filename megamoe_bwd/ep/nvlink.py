@@ -23,16 +23,14 @@ from __future__ import annotations
 import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
-                        check_expert_ids, check_moe_inputs, empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows,
-                        fp8_weights,
+                        check_expert_ids, check_moe_inputs, fp8_quantize_rows, fp8_weights,
                         gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
-                        m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_swiglu_contiguous,
-                        moe_gather_rows_bf16, quant_kernels)
+                        m_grouped_fp8_gemm_nt_contiguous, moe_gather_rows_bf16, quant_kernels)
 
-from ..backward import (SideStream, dl1_gemm, fp8_data_gradient, fp8_dl1_gemm, fp8_swiglu_backward_and_dl2,
-                        routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
+from ..backward import (SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
 from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
                        gemm_other_ranks_first, pull_fp8_tokens, pull_tokens, send_partials, stage_fp8_tokens)
+from .fp8_steps import fp8_dgrad_and_dl2, fp8_gate_up_swiglu
 from .symm import SymmBuffer
 
 
@@ -76,7 +74,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                                    runs.slot_valid)
             if fp8:
                 recv_x, arrival = pull_fp8_tokens(x_fp8, buffer, "x", runs.offsets)
-                h, act, gemm2, l2_operand = _fp8_gate_up_swiglu(recv_x, *weights_fp8, runs.offsets, layout, arrival)
+                h, act, gemm2, l2_operand = fp8_gate_up_swiglu(recv_x, *weights_fp8, runs.offsets, layout, arrival)
             else:
                 recv_x, arrival = pull_tokens(x, buffer, "x", runs.offsets)
                 try:  # GEMM1 gathers x's rows pass by pass as they land
@@ -121,7 +119,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                 recv_x = Fp8Rows(*saved_x)
                 recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
                 l1_operand, l2_operand = ctx.dgrad_weights
-                dz, row_dw, dl1_gemm_fp8 = _fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2_operand, layout, arrival, grads)
+                dz, row_dw, dl1_gemm_fp8 = fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2_operand, layout, arrival, grads)
                 dx_gemm, dz_operand = m_grouped_fp8_gemm_nt_contiguous, dz
             else:
                 (recv_x,) = saved_x
@@ -156,41 +154,6 @@ class _NvlinkMegaMoE(torch.autograd.Function):
                 from_others = buffer.local["back_dw"].view(world - 1, max_tokens, num_topk)[:, :num_tokens]
                 dtopk_weights = dtopk_weights + from_others.sum(0)
             return dx, None, dtopk_weights.to(ctx.weights_dtype), grads.get_dl1(), grads.get_dl2(), None, None
-
-
-def _fp8_gate_up_swiglu(recv_x: Fp8Rows, w1, w2, run_offsets: torch.Tensor, layout: RoutingLayout, arrival):
-    """The FP8 forward's GEMM1 on the landing rows (gathered pass by pass; SwiGLU and the
-    activation's per-row quantization in its epilogue, as on one GPU; w1, w2 the weights' FP8
-    copies); returns h, act's FP8 operand, GEMM2 and its B."""
-    h = recv_x.data.new_empty(layout.num_slots, w1.data.shape[1], dtype=torch.bfloat16)
-    act = empty_fp8_rows(layout.num_slots, w1.data.shape[1] // 2, h.device)
-    try:
-        m_grouped_fp8_gemm_nt_swiglu_contiguous((recv_x.data, recv_x.scales), (w1.data, w1.scales), h,
-                                                (act.data, act.scales), run_offsets, a_row_index=layout.row_token,
-                                                num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
-    finally:  # (also when it raised: the copies write into recv_x)
-        arrival.join()
-    return h, (act.data, act.scales), m_grouped_fp8_gemm_nt_contiguous, (w2.data, w2.scales)
-
-
-def _fp8_dgrad_and_dl2(recv_dy: Fp8Rows, recv_x: Fp8Rows, h: torch.Tensor, l2_t: tuple[torch.Tensor, torch.Tensor],
-                       layout: RoutingLayout, arrival, grads):
-    """The FP8 backward up to dx's GEMM: dA's GEMM on the landing dy rows (`l2_t`: the forward's
-    copy of l2 as `Fp8Weights.transposed_operand()` gives it), then the single-GPU steps (the
-    SwiGLU backward writing dz quantized, dl2); returns (dz's FP8 rows, row_dw, dl1's GEMM to run
-    beside dx's)."""
-    d_act = h.new_empty(layout.num_slots, l2_t[0].shape[1])
-    try:  # dA's GEMM gathers dy's rows pass by pass as they land
-        fp8_data_gradient(recv_dy, l2_t, d_act, arrival.run_offsets, a_row_index=layout.row_token,
-                          num_passes=arrival.num_passes, ready_flags=arrival.ready_flags)
-    finally:
-        arrival.join()
-    # (the weight gradients' column copies from the exchanged FP8 rows, dequantized in the loads:
-    # the only copy of the other ranks' tokens here, docs/DESIGN.md "The FP8 layer")
-    _, dy_cols = fp8_quantize_columns(recv_dy, layout.offsets, row_index=layout.row_token)
-    dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(MegaMoEHandle(layout, recv_x, h), d_act, dy_cols, grads,
-                                                           keep_handle=False)
-    return (dz_rows.data, dz_rows.scales), row_dw, lambda: fp8_dl1_gemm(dz_cols, recv_x, layout, grads)
 
 
 def fp8_exchange_fits(buffer: SymmBuffer, num_local_experts: int, inter: int) -> bool:
