@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, RoutingLayout, bf16_mega_moe, build_routing_layout,
                         check_moe_inputs, empty_fp8_rows, fp8_quantize_rows, fp8_weights,
-                        m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16)
+                        m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, quant_kernels)
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
 from .exchange import landed
@@ -144,6 +144,8 @@ def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
     num_local = check_moe_inputs(x, topk_idx, topk_weights, l1, l2, FP8_DIM_MULTIPLE if fp8 else DIM_MULTIPLE)[3]
+    if fp8 and num_local > quant_kernels.MAX_GROUPS:  # (the column quantization's group scan)
+        raise ValueError(f"fp8: at most {quant_kernels.MAX_GROUPS} experts a rank, got {num_local}")
     num_experts = num_local * buffer.group_size
     return _DeepEPMegaMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), l1, l2, buffer,
                                 num_experts, fp8)

@@ -158,8 +158,10 @@ struct Sm90FP8MGroupedGemm {
                     [&] {
                         more = scheduler.next(upcoming);
                         if constexpr (kEpilogueBesideNextTile) {
-                            if (pending)
+                            if (pending) {
                                 Epilogue::store(acc, p, done, staging, 1 + wg);
+                                timeline::mark(timeline::kEpilogueEnd, tile.group);
+                            }
                         }
                     }, turns);
                 timeline::mark(timeline::kMainloopEnd, tile.group);
