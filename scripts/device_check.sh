@@ -81,13 +81,15 @@ if has moe_bench; then
 fi
 if has ncu_fp8; then  # (not in the default steps) Nsight Compute on the 30B forward GEMM: ours, and upstream's with NCU_UPSTREAM=DIR
   sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy"
+  # (L2 reads from the SMs: the FP8 GEMM's time follows them, docs/PERF.md session 26)
+  sections="$sections --metrics lts__t_sectors_srcunit_tex_op_read.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum.per_second"
   for who in ours ${NCU_UPSTREAM:+upstream}; do
     if [[ $who == ours ]]; then kernel=dg_sm90_fp8_m_grouped; extra=; else kernel=fp8_gemm_1d2d; extra="--upstream $NCU_UPSTREAM"; fi
     timeout -s KILL 240 ncu --target-processes all -k "regex:$kernel" --launch-skip 3 --launch-count 1 $sections \
       python3 scripts/bench_gemm.py --precision fp8 --models 30b --routing uniform --only fwd1 $extra > "$OUT/ncu_fp8_$who.log" 2>&1
     echo "[ncu $who] $(grep -E '^  [a-z_]+.*\(' "$OUT/ncu_fp8_$who.log" | head -1)"
-    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|No Eligible|Registers Per Thread" \
-      "$OUT/ncu_fp8_$who.log" | head -14 | sed "s/^/[ncu $who] /"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|No Eligible|Registers Per Thread|lts__t_sectors_srcunit|xbar2l1tex" \
+      "$OUT/ncu_fp8_$who.log" | head -18 | sed "s/^/[ncu $who] /"
   done
 fi
 if has train; then
