@@ -207,6 +207,28 @@ def test_torchtitan_module_is_torchtitans_math(emulated_layer):
         assert relative_error(ours, theirs) < 1e-10, name
 
 
+def test_torchtitan_module_in_fp8_is_the_fp8_layer(emulated_layer):
+    """`GroupedExperts(..., fp8=True)` runs the layer's FP8 recipe on its weights: the outputs and
+    gradients of `mega_moe(..., fp8=True)` on the same tensors, bit for bit; dims not multiples of
+    128 are refused."""
+    experts, x, scores, expert_ids = _titan_problem("cpu", torch.bfloat16, dim=256, hidden_dim=128)
+    fp8_experts = GroupedExperts(8, 256, 128, fp8=True).to(torch.bfloat16)
+    fp8_experts.load_state_dict(experts.state_dict())
+    leaves = [t.clone().requires_grad_() for t in (x, scores)]
+    y = fp8_experts(leaves[0], leaves[1], expert_ids)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    l1, l2 = (w.detach().clone().requires_grad_() for w in (experts.l1, experts.l2))
+    ref_leaves = [t.clone().requires_grad_() for t in (x, scores)]
+    ref = emulated_mega_moe(ref_leaves[0], expert_ids, ref_leaves[1], l1, l2, fp8=True)
+    ref.backward(dy)
+    for ours, theirs in ((y, ref), (leaves[0].grad, ref_leaves[0].grad), (leaves[1].grad, ref_leaves[1].grad),
+                         (fp8_experts.l1.grad, l1.grad), (fp8_experts.l2.grad, l2.grad)):
+        assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        GroupedExperts(8, 128, 64, fp8=True)
+
+
 def test_torchtitan_module_keeps_torchtitans_state_dict():
     experts = GroupedExperts(4, 128, 64)
     state = experts.state_dict()

@@ -23,12 +23,15 @@ class GroupedExperts(MegaMoE):
     ``forward(x [T, H], scores [T, K], expert_ids [T, K])`` returns ``y [T, H]`` =
     ``sum_k scores[t, k] * w2[e] @ (silu(w1[e] @ x_t) * (w3[e] @ x_t))`` with ``e =
     expert_ids[t, k]`` (``-1``: an empty slot), bf16; gradients reach x, scores and the weights.
-    `group`, `buffer`, `backend`: expert parallelism as in `MegaMoE`.
+    `group`, `buffer`, `backend`: expert parallelism as in `MegaMoE`; `fp8`: the expert GEMMs in
+    blockwise FP8, as `MegaMoE(fp8=True)` (dim and hidden_dim multiples of 128).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, device=None,
-                 group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None):
-        super().__init__(num_experts, dim, hidden_dim, device=device, group=group, buffer=buffer, backend=backend)
+                 group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None,
+                 fp8: bool = False):
+        super().__init__(num_experts, dim, hidden_dim, device=device, group=group, buffer=buffer, backend=backend,
+                         fp8=fp8)
         self.hidden_dim = hidden_dim
         self.register_state_dict_post_hook(_titan_state_dict)
         self.register_load_state_dict_pre_hook(_load_titan_state_dict)
