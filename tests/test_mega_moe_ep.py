@@ -341,6 +341,26 @@ def test_the_deep_ep_path_refuses_fp8_it_cannot_run_before_any_exchange(fp8, err
         ep_mega_moe_deep_ep(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], untouchable, fp8=fp8)
 
 
+def _refuse_too_many_received_rows(rank: int, world: int) -> None:
+    """One rank of the test below: with the quantization's element limit shrunk, every rank's FP8
+    DeepEP call raises before any exchange (none is left waiting in one)."""
+    import deep_gemm.quant.kernels as quant_kernels
+    from emulated_deep_ep import EmulatedDeepEPBuffer
+    from emulated_kernels import patch_kernels
+    patch_kernels()
+    quant_kernels.MAX_ELEMENTS = 1000
+    p = _problem([8 + 4 * r for r in range(world)], world, "uniform", 0.0, torch.bfloat16, H_FP8, I_FP8)
+    mine = slice(sum(8 + 4 * r for r in range(rank)), sum(8 + 4 * r for r in range(rank + 1)))
+    experts = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    with pytest.raises(ValueError, match="routed rows of 256"):
+        ep_mega_moe_deep_ep(p["x"][mine], p["topk_idx"][mine], p["topk_weights"][mine], p["l1"][experts],
+                            p["l2"][experts], EmulatedDeepEPBuffer(dist.group.WORLD), fp8=True)
+
+
+def test_the_deep_ep_fp8_path_refuses_too_many_received_rows_on_every_rank():
+    launch(_refuse_too_many_received_rows, 2, backend="gloo")
+
+
 def test_nvlink_path_rejects_what_its_buffer_cannot_hold():
     p = make_moe_inputs(9, H, I, E_LOCAL, K, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="holds up to 8 tokens"):

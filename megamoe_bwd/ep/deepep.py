@@ -19,7 +19,9 @@ With fp8 the expert GEMMs run in blockwise FP8 (`deep_gemm.fp8_mega_moe`'s recip
 are dispatched quantized: e4m3 rows with their 1 x 128 scales, DeepEP's FP8 dispatch (H + H / 32
 bytes a token against bf16's 2H). The received rows feed the FP8 steps the NVLink path runs
 (`fp8_steps.py`), the weight gradients' column copies made from them dequantized, as there;
-results and gradients travel back in bf16 (they are sums).
+results and gradients travel back in bf16 (they are sums). Before its dispatch an FP8 forward
+all-reduces the token counts each rank sends (one small collective and host read), so that every
+rank checks every rank's received rows against the backward's quantization limit.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, RoutingLayout, bf16_mega_moe, build_routing_layout,
-                        check_moe_inputs, empty_fp8_rows, fp8_quantize_rows, fp8_weights,
+                        check_moe_inputs, fp8_quantize_rows, fp8_weights,
                         m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, quant_kernels)
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
@@ -54,15 +56,31 @@ def _received_fp8_rows(received: tuple[torch.Tensor, torch.Tensor]) -> Fp8Rows:
     """DeepEP's received FP8 rows (its scales row-major) as the FP8 GEMMs read them (scales
     column-major, a 16-byte aligned column stride)."""
     data, scales = received
-    rows = empty_fp8_rows(data.shape[0], data.shape[1], data.device)
-    rows.scales.copy_(scales)
-    return Fp8Rows(data, rows.scales)
+    num_rows = data.shape[0]
+    storage = scales.new_empty(scales.shape[1], -(-num_rows // 4) * 4)
+    storage[:, :num_rows].copy_(scales.T)
+    return Fp8Rows(data, storage[:, :num_rows].T)
+
+
+def _check_received_rows_fit(tokens_per_rank: torch.Tensor, buffer: Any, num_topk: int, width: int) -> None:
+    """Before any exchange, on every rank alike: the backward quantizes each rank's received
+    ``[R * K, width]`` routed rows in one pass (32-bit element counts). One all-reduce of the
+    tokens each rank sends to each rank gives every rank R of all of them, so all raise or none
+    (a rank raising alone would leave the others waiting in an exchange)."""
+    received = tokens_per_rank.to(torch.int64)
+    dist.all_reduce(received, group=buffer.group)
+    most = int(received.max())
+    if not quant_kernels.quantization_fits(most * num_topk, width):
+        raise ValueError(f"fp8: a rank would receive {most} tokens, whose {most * num_topk} routed rows of "
+                         f"{width} the backward quantizes in one pass: that takes fewer than 2^31 elements")
 
 
 class _DeepEPMegaMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, l1, l2, buffer, num_experts: int, fp8: bool):
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        if fp8:
+            _check_received_rows_fit(per_rank, buffer, topk_idx.shape[1], max(x.shape[1], l1.shape[1]))
         x_fp8 = fp8_quantize_rows(x) if fp8 else None
         recv_x, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
             (x_fp8.data, x_fp8.scales) if fp8 else x, num_tokens_per_rank=per_rank,
