@@ -144,7 +144,7 @@ struct NoWork {
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
 // promoted in turn (kProductN / 2 registers fewer). kFirstOverwrites (one product set only): block
 // 0's promotion overwrites acc, which the caller need not zero (e.g. while `after_first` still
-// stores it).
+// stores it); it needs num_k_blocks >= 1 (the launchers refuse K = 0), else acc keeps old sums.
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
           typename Turns = NoTurns, bool kFirstOverwrites = false, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
