@@ -56,7 +56,7 @@ def cases(model: str, routing: str, gen: torch.Generator):
     yield ("rows x", 2 * x.numel(), _rows_bytes(tokens, hidden), lambda: fp8_quantize_rows(x),
            _rows_bytes(tokens, hidden), lambda: torch_rows(x),
            lambda: same_bits(fp8_quantize_rows(x).data, reference.fp8_quantize_rows_torch(x).data))
-    yield gathered_columns_case(x, experts, topk, routing)
+    yield gathered_columns_case(x, experts, topk, routing, torch_rows)
     for name, width in (("dy", hidden), ("act", inter)):
         rows = torch.randn(routed, width, device="cuda", dtype=torch.bfloat16)
         padded = reference.padded_group_width(routed, experts)
@@ -80,15 +80,15 @@ def cases(model: str, routing: str, gen: torch.Generator):
                lambda w=w: same_bits(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
 
 
-def gathered_columns_case(x: torch.Tensor, experts: int, topk: int, routing: str):
+def gathered_columns_case(x: torch.Tensor, experts: int, topk: int, routing: str, torch_rows):
     """x's columns gathered by the routing layout of a random top-k routing (`make_moe_inputs`'
-    law: uniform or skewed), as the FP8 backward quantizes them for dl1."""
+    law: uniform or skewed), as the FP8 backward quantizes them for dl1 (`torch_rows`: the
+    compiled torch rows quantization, its baseline)."""
     tokens, hidden = x.shape
     p = make_moe_inputs(tokens, 128, 128, experts, topk, device="cuda", routing=routing, seed=1)  # (its routing only)
     layout = build_routing_layout_torch(p["topk_idx"], p["topk_weights"], experts)
     offsets, index = layout.offsets, layout.row_token
     routed = index.numel()
-    torch_rows = torch.compile(reference.fp8_quantize_rows_torch)
     our_bytes = 2 * routed * hidden + hidden * reference.padded_group_width(routed, experts) * (1 + 4 / 128)
 
     def check():

@@ -1,7 +1,7 @@
 """A stand-in for `deep_ep.Buffer` on CPU processes (gloo): the normal-mode dispatch and combine
 that `megamoe_bwd.ep.ep_mega_moe_deep_ep` calls, with DeepEP's documented semantics, over
-`all_to_all_single`, so that the EP spec test runs our DeepEP path (bf16 and FP8) where DeepEP
-cannot. What it does not model: DeepEP's kernels, streams and buffers (its events are no-ops).
+`all_to_all_single`, so that the EP spec test runs our FP8 DeepEP path where DeepEP cannot (the
+bf16 path's single-GPU layer takes CUDA tensors only). What it does not model: DeepEP's kernels, streams and buffers (its events are no-ops).
 
 - `get_dispatch_layout(topk_idx, E)`: tokens per rank, None (no RDMA ranks), tokens per expert,
   is_token_in_rank ``[T, R]``, an event.
@@ -75,11 +75,11 @@ class EmulatedDeepEPBuffer:
             recv = (recv, _exchange(scales[send[0]].contiguous(), *send[1:]))
         if topk_idx is None:
             return recv, None, None, None, handle, _NoEvent()
-        num_experts = num_tokens_per_expert.numel()
-        per_rank = num_experts // self.group_size
+        per_rank = num_tokens_per_expert.numel() // self.group_size
         dest = torch.repeat_interleave(torch.arange(self.group_size), torch.tensor(handle.send_splits))
-        local = topk_idx[send[0]] - dest.view(-1, 1) * per_rank  # (ids as the destination rank numbers them)
-        mine = (topk_idx[send[0]] >= 0) & (local >= 0) & (local < per_rank)
+        ids = topk_idx[send[0]]
+        local = ids - dest.view(-1, 1) * per_rank  # (ids as the destination rank numbers them)
+        mine = (ids >= 0) & (local >= 0) & (local < per_rank)
         recv_idx = _exchange(torch.where(mine, local, -1), *send[1:])
         recv_weights = _exchange(torch.where(mine, topk_weights[send[0]], 0.0), *send[1:])
         per_expert = torch.bincount(recv_idx[recv_idx >= 0], minlength=per_rank).tolist()

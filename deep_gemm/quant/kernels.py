@@ -85,11 +85,16 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ValueError(f"x has {x.numel()} elements: the kernels index rows with 32-bit counts")
 
 
+def empty_row_scales(m: int, k: int, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised 1 x 128 scales of ``[m, k]`` rows in `Fp8Rows.scales`' layout: ``[m, k / 128]``
+    fp32, column-major, the column stride m rounded up to 4 (16 bytes, as the GEMMs' TMA reads it)."""
+    return torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)[:, :m].T
+
+
 def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
     """Uninitialised `Fp8Rows` of ``[m, k]`` (k a multiple of 128), for a kernel to write rows
-    quantized per 1 x 128 into: scales column-major, their column stride m rounded up to 4."""
-    storage = torch.empty(k // BLOCK, -(-m // 4) * 4, dtype=torch.float32, device=device)
-    return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), storage[:, :m].T)
+    quantized per 1 x 128 into (scales as `empty_row_scales` lays them out)."""
+    return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), empty_row_scales(m, k, device))
 
 
 def fp8_columns_nbytes(k: int, m: int, num_groups: int) -> int:

@@ -56,10 +56,7 @@ def _received_fp8_rows(received: tuple[torch.Tensor, torch.Tensor]) -> Fp8Rows:
     """DeepEP's received FP8 rows (its scales row-major) as the FP8 GEMMs read them (scales
     column-major, a 16-byte aligned column stride)."""
     data, scales = received
-    num_rows = data.shape[0]
-    storage = scales.new_empty(scales.shape[1], -(-num_rows // 4) * 4)
-    storage[:, :num_rows].copy_(scales.T)
-    return Fp8Rows(data, storage[:, :num_rows].T)
+    return Fp8Rows(data, quant_kernels.empty_row_scales(*data.shape, data.device).copy_(scales))
 
 
 def _check_received_rows_fit(tokens_per_rank: torch.Tensor, buffer: Any, num_topk: int, width: int) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._kernels import Fp8Rows, RoutingLayout, ep_wait_flags, moe_combine_bf16, stream_write_u32
+from .._kernels import Fp8Rows, RoutingLayout, ep_wait_flags, moe_combine_bf16, quant_kernels, stream_write_u32
 
 from .symm import BARRIER_TIMEOUT_MS, SymmBuffer
 
@@ -126,8 +126,7 @@ def pull_fp8_tokens(own: Fp8Rows, buffer: SymmBuffer, region: str, run_offsets: 
     num_tokens, hidden = own.data.shape
     total = world * max_tokens
     data = own.data.new_empty(total, hidden)
-    scale_storage = own.scales.new_empty(hidden // 128, -(-total // 4) * 4)  # (a 16-byte aligned column stride)
-    scales = scale_storage[:, :total]
+    scales = quant_kernels.empty_row_scales(total, hidden, own.data.device).T  # [H / 128, total] rows of it
     data[:num_tokens].copy_(own.data)
     scales[:, :num_tokens].copy_(own.scales.T)
     peer_data, peer_scales = (r.tensors for r in buffer.fp8_region(region))
@@ -138,7 +137,7 @@ def pull_fp8_tokens(own: Fp8Rows, buffer: SymmBuffer, region: str, run_offsets: 
         for kb in range(hidden // 128):
             scales[kb, s * max_tokens:(s + 1) * max_tokens].copy_(peer_scales[peer][kb])
 
-    arrival = _pull(buffer, own.data.device, run_offsets, copy_pass, (data, scale_storage))
+    arrival = _pull(buffer, own.data.device, run_offsets, copy_pass, (data, scales))
     return Fp8Rows(data, scales.T), arrival
 
 
