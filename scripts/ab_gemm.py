@@ -8,8 +8,9 @@ GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
 and data gradients on m-grouped FP8, the weight gradients with bf16 and fp32 output on k-grouped
-FP8) and the FP8 layer's two variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
-tokens; "fwd1 swiglu": SwiGLU with act written in e4m3), on operands this checkout quantizes
+FP8) and the FP8 layer's variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
+tokens; "fwd1 swiglu": SwiGLU with act written in e4m3; "fwd1 gather swiglu": both, the layer's GEMM1),
+on operands this checkout quantizes
 once for both trees. Prints per case the medians (ms) of each
 tree's per-round medians and new / base. With `--sustained SECONDS`, each round is SECONDS of
 back-to-back calls (`deep_gemm.testing.sustained_ms`: the power-capped steady state a training
@@ -32,6 +33,11 @@ from bench_common import require_sm90  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
 from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import SustainedTiming, bench_ms, offsets_from_sizes, sustained_ms, warm_up_gpu  # noqa: E402
+
+
+# The FP8 layer's forms of GEMM1's shape (rows gathered, SwiGLU with an e4m3 act, both), timed beside
+# bench_gemm.py's FP8 cases.
+FWD1_VARIANTS = ("fwd1 gather", "fwd1 swiglu", "fwd1 gather swiglu")
 
 
 def import_checkout(path: str, name: str):
@@ -89,11 +95,12 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, out_dtype: tor
         else:
             n, k = d1, d2
             forward = label.startswith("fwd")
-            a_rows = max(rows // 8, 1) if label == "fwd1 gather" else rows
+            gather, swiglu = label in ("fwd1 gather", "fwd1 gather swiglu"), label.endswith("swiglu")
+            a_rows = max(rows // 8, 1) if gather else rows
             inputs["a"] = fp8_quantize_rows(torch.randn(a_rows, k, device="cuda", dtype=torch.bfloat16))
-            if label == "fwd1 gather":
+            if gather:
                 inputs["index"] = torch.randint(0, a_rows, (rows,), device="cuda")
-            if label == "fwd1 swiglu":
+            if swiglu:
                 inputs["act"] = empty_fp8_rows(rows, n // 2, "cuda")
             w = fp8_quantize_weights(torch.randn(num_groups, *((n, k) if forward else (k, n)), device="cuda",
                                                  dtype=torch.bfloat16) / k**0.5)
@@ -102,12 +109,20 @@ def make_fp8_call(lib, label: str, d1: int, d2: int, sizes: list, out_dtype: tor
     a, b, d, offsets = inputs["a"], inputs["b"], inputs["d"], inputs["offsets"]
     if label.startswith("wgrad"):
         return lambda: lib.k_grouped_fp8_gemm_tn_contiguous((a.data, a.scales), (b.data, b.scales), d, a.padded_offsets)
-    if label == "fwd1 swiglu":
+    index = inputs.get("index")
+    if label.endswith("swiglu"):
         act = inputs["act"]
         return lambda: lib.m_grouped_fp8_gemm_nt_swiglu_contiguous((a.data, a.scales), b, d, (act.data, act.scales),
-                                                                   offsets)
-    index = inputs["index"] if label == "fwd1 gather" else None
+                                                                   offsets, a_row_index=index)
     return lambda: lib.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scales), b, d, offsets, a_row_index=index)
+
+
+def _cases(models: str, routings: str, gen: torch.Generator, precision: str):
+    """`bench_gemm.all_cases`, and in FP8 the layer's GEMM1 ("fwd1 gather swiglu") after "fwd1 swiglu"."""
+    for model, routing, sizes, case in all_cases(models, routings, gen):
+        yield model, routing, sizes, case
+        if precision == "fp8" and case[0] == "fwd1 swiglu":
+            yield model, routing, sizes, ("fwd1 gather swiglu", *case[1:])
 
 
 def _median_or_nan(values) -> float:
@@ -135,8 +150,8 @@ def main() -> None:
     clocks = f" {'base MHz':>8} {'new MHz':>8} {'base W':>6} {'new W':>6}" if args.sustained else ""
     print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}{clocks}", flush=True)
     worst = 0.0
-    for model, routing, sizes, (label, kind, d1, d2, out_dtype) in all_cases(args.models, args.routing, gen):
-        if args.precision == "fp8" and label not in FP8_CASES + ("fwd1 gather", "fwd1 swiglu"):
+    for model, routing, sizes, (label, kind, d1, d2, out_dtype) in _cases(args.models, args.routing, gen, args.precision):
+        if args.precision == "fp8" and label not in FP8_CASES + FWD1_VARIANTS:
             continue
         if not label.startswith(only):
             continue

@@ -6,8 +6,9 @@
 For CTAs 0-7, each math warpgroup's mean SM clocks per tile: tile start -> its first stage landed
 (waiting for loads), first stage -> mainloop end (per k-block too), the epilogue, and epilogue
 end -> the next tile's start; and the producer's mean clocks between two stages it could refill.
-`--gemm`: fwd1, fwd2, dgrad1, dgrad2 (m-grouped, bf16 out) or wgrad1, wgrad2 (k-grouped, fp32 out),
-at `bench_gemm.py`'s shapes (its `gemm_cases`). Needs a Hopper GPU.
+`--gemm`: fwd1, fwd2, dgrad1, dgrad2 (m-grouped, bf16 out), wgrad1, wgrad2 (k-grouped, fp32 out),
+at `bench_gemm.py`'s shapes (its `gemm_cases`), or the layer's forms of GEMM1 ("fwd1 gather", "fwd1
+swiglu", "fwd1 gather swiglu": `ab_gemm.py`'s). Needs a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from ab_gemm import make_fp8_call  # noqa: E402
+from ab_gemm import FWD1_VARIANTS, make_fp8_call  # noqa: E402
 from bench_common import MODELS, require_sm90  # noqa: E402
 from bench_gemm import gemm_cases  # noqa: E402
 from deep_gemm.jit.runtime import timeline_buffer  # noqa: E402
@@ -31,14 +32,16 @@ from deep_gemm.testing import random_group_sizes  # noqa: E402
 
 # ptx/trace.cuh's timeline::Event
 TILE_START, STAGE_LANDED, MAINLOOP_END, EPILOGUE_END, LOADS_ISSUED = 1, 2, 3, 4, 5
-GEMMS = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2")  # bench_gemm.py's, fp32 out for wgrad
+# bench_gemm.py's (fp32 out for wgrad), and the FP8 layer's forms of GEMM1 (ab_gemm.FWD1_VARIANTS)
+GEMMS = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2") + FWD1_VARIANTS
 
 
 def make_gemm(gemm: str, model: str, routing: str):
     """A closure running `gemm` once at `model`'s shape on random operands (`ab_gemm.py`'s)."""
     hidden, inter, experts, topk, tokens = MODELS[model]
     label = f"{gemm} fp32" if gemm.startswith("wgrad") else gemm
-    d1, d2, out_dtype = next((d1, d2, dtype) for name, _, d1, d2, dtype in gemm_cases(hidden, inter) if name == label)
+    shape = "fwd1" if label in FWD1_VARIANTS else label
+    d1, d2, out_dtype = next((d1, d2, dtype) for name, _, d1, d2, dtype in gemm_cases(hidden, inter) if name == shape)
     sizes = random_group_sizes(tokens * topk, experts, routing, max_size=tokens,
                                generator=torch.Generator().manual_seed(0))
     return make_fp8_call(deep_gemm, label, d1, d2, sizes, out_dtype, {})
