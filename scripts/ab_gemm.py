@@ -9,10 +9,9 @@ GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
 and data gradients on m-grouped FP8, the weight gradients with bf16 and fp32 output on k-grouped
 FP8) and the FP8 layer's variants of GEMM1's shape ("fwd1 gather": rows gathered from 1/8 as many
-tokens; "fwd1 swiglu": SwiGLU with act written in e4m3; "fwd1 gather swiglu": both, the layer's GEMM1),
-on operands this checkout quantizes
-once for both trees. Prints per case the medians (ms) of each
-tree's per-round medians and new / base. With `--sustained SECONDS`, each round is SECONDS of
+tokens; "fwd1 swiglu": SwiGLU with act written in e4m3; "fwd1 gather swiglu": both, the layer's
+GEMM1), on operands this checkout quantizes once for both trees. Prints per case the medians (ms)
+of each tree's per-round medians and new / base. With `--sustained SECONDS`, each round is SECONDS of
 back-to-back calls (`deep_gemm.testing.sustained_ms`: the power-capped steady state a training
 step runs in), and the rows add each tree's SM clock and power. Needs a Hopper GPU.
 """
