@@ -31,3 +31,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     as_ints = lambda t: t.detach().cpu().contiguous().view(_SAME_SIZE_INTS[t.element_size()])  # noqa: E731
     return torch.equal(as_ints(a), as_ints(b))
+
+
+def same_written_columns(out, ref) -> bool:
+    """Whether two `deep_gemm.quant.Fp8Columns` hold the same bits in the columns `ref`'s groups
+    use (up to ``ref.padded_offsets[-1]``), data and scales; past them each holds whatever its
+    memory held."""
+    used = int(ref.padded_offsets[-1])
+    return (same_bits(out.data[:, :used], ref.data[:, :used])
+            and same_bits(out.scales[:used // 128], ref.scales[:used // 128]))
