@@ -1,12 +1,17 @@
 #pragma once
 // SwiGLU, a = silu(g) * u, and its derivative, in fp32.
+#include "../ptx/utils.cuh"
 
 namespace deep_gemm::epilogue {
 
 // The approximate division is one MUFU.RCP: an IEEE `1.0f / d` calls a slow-path subroutine
 // whenever d > 2^126 (x < -87), and a warp pays it if any lane does. For such d it returns 0,
-// the sigmoid's limit.
-__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// the sigmoid's limit. e^-x as `__expf(-x)` computes it (one FMUL by -log2(e), one MUFU.EX2),
+// flushed to zero below the normal range: 1 + e^-x is then 1 either way, so the sigmoid's bits
+// are `__expf`'s without its range test and scalings.
+__device__ __forceinline__ float sigmoid(float x) {
+    return __fdividef(1.0f, 1.0f + ptx::ex2_approx_ftz(x * -1.44269504088896341f));
+}
 
 struct SwiGLUGrad {
     float act, d_gate, d_up;

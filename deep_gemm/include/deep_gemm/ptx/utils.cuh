@@ -23,6 +23,14 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return t;
 }
 
+// 2^x by the MUFU alone, results below the normal range flushed to zero (`__expf` without
+// --use_fast_math adds a range test and two scalings to keep them).
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // Warp index that the compiler knows is uniform across the warp.
 __device__ __forceinline__ uint32_t warp_idx() {
     return __shfl_sync(0xffffffff, threadIdx.x / 32, 0);
