@@ -169,13 +169,15 @@ struct SwiGLUTensorStore {
 // amax, ScaleRule's scale, fp8(value * (1 / scale)) with the reciprocal rounded once.
 template <uint32_t BLOCK_N, typename ScaleRule>
 struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
-    using Base = SwiGLUTensorStore<BLOCK_N>;
-    static constexpr uint32_t kHalf = Base::kHalf;
-    // A full 64-row share is staged whole, h's four 64-column chunks then the e4m3 act, and leaves
+    static constexpr uint32_t kHalf = SwiGLUTensorStore<BLOCK_N>::kHalf;
+    // A warpgroup's share is staged whole, h's four 64-column chunks then the e4m3 act, and leaves
     // by one batch of tensor stores (one fence, two barriers; docs/PERF.md, "Decisions":
-    // whole-tile staging); a group's last rows leave as SwiGLUTensorStore's, the act from buffer 0.
+    // whole-tile staging), or, on a group's last rows, by synchronous row copies from the same
+    // buffers. It fits the registers beside the next tile's first product: the SwiGLU is computed
+    // in the loop that rounds act, after h is staged (each up accumulator dies there).
+    static constexpr bool kFitsBesideProduct = true;
     using Buffers = SwizzledStaging<__nv_bfloat16, BLOCK_N / 64 + 1>;
-    static constexpr uint32_t kStagingBytes = ptx::max_of(Buffers::kBytesPerWarpgroup, Base::kStagingBytes);
+    static constexpr uint32_t kStagingBytes = Buffers::kBytesPerWarpgroup;
     static_assert(BLOCK_N / 2 == SwizzledStaging<uint8_t>::kChunkN, "the tile's e4m3 act columns fill one buffer");
 
     template <typename Params>
@@ -184,28 +186,20 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
         constexpr uint32_t kChunkN = SwizzledStaging<__nv_bfloat16>::kChunkN, kHChunks = BLOCK_N / kChunkN;
         const auto buffer = [&](uint32_t i) { return staging + i * Buffers::kBufferBytes; };
         wait_staging_free(barrier_id);  // (the previous tile's stores, issued a mainloop ago)
-        const bool tensor_stores = rows.count >= 64;
         float (&gate)[kHalf] = *reinterpret_cast<float (*)[kHalf]>(acc);
-        if (tensor_stores) {
-            const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(acc + kHalf);
-            #pragma unroll
-            for (uint32_t i = 0; i < kHChunks / 2; ++i) {  // gate's chunks in buffers 0.., then up's
-                uint8_t *g = buffer(i), *u = buffer(kHChunks / 2 + i);
-                stage_chunk<kChunkN, __nv_bfloat16>(gate, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(g, r, byte); });
-                stage_chunk<kChunkN, __nv_bfloat16>(up, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(u, r, byte); });
-            }
-            #pragma unroll
-            for (uint32_t i = 0; i < kHalf; ++i)
-                gate[i] = swiglu(gate[i], up[i]);
-        } else {
-            Base::store_h_then_swiglu(acc, p, rows, staging, barrier_id, false);  // (ends with the staging free)
+        const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(acc + kHalf);
+        #pragma unroll
+        for (uint32_t i = 0; i < kHChunks / 2; ++i) {  // gate's chunks in buffers 0.., then up's
+            uint8_t *g = buffer(i), *u = buffer(kHChunks / 2 + i);
+            stage_chunk<kChunkN, __nv_bfloat16>(gate, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(g, r, byte); });
+            stage_chunk<kChunkN, __nv_bfloat16>(up, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(u, r, byte); });
         }
-        float (&act)[kHalf] = gate;
 
+        float (&act)[kHalf] = gate;
         float amax[2] = {0.0f, 0.0f};  // of this thread's two rows
         #pragma unroll
         for (uint32_t i = 0; i < kHalf; ++i) {
-            act[i] = __bfloat162float(__float2bfloat16_rn(act[i]));
+            act[i] = __bfloat162float(__float2bfloat16_rn(swiglu(gate[i], up[i])));
             amax[(i / 2) % 2] = fmaxf(amax[(i / 2) % 2], fabsf(act[i]));
         }
         float scale[2], inv[2];
@@ -229,33 +223,41 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
         }
 
         // The e4m3 tile, swizzled as the tensor map reads it.
-        uint8_t* act_buffer = buffer(tensor_stores ? kHChunks : 0);
+        uint8_t* act_buffer = buffer(kHChunks);
         for_each_column_pair<BLOCK_N / 2>(0, [&](uint32_t r, uint32_t c, uint32_t i) {
             const float s = inv[(i / 2) % 2];
             ptx::st_shared_u16(swizzled_128b(act_buffer, r, c), ptx::pack_e4m3x2(act[i] * s, act[i + 1] * s));
         });
         ptx::fence_view_async_shared();  // a tensor store reads through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
+        // h's column of buffer i (< kHChunks), and act's (buffer kHChunks)
+        const auto first_column = [&](uint32_t i) {
+            return i == kHChunks ? col : (i < kHChunks / 2 ? col : inter + col) + (i % (kHChunks / 2)) * kChunkN;
+        };
         const uint32_t thread = threadIdx.x % 128;
-        if (tensor_stores) {
+        if (rows.count >= 64) {
             if (thread == 0) {
                 #pragma unroll
                 for (uint32_t i = 0; i < kHChunks; ++i)
-                    ptx::tma_store_3d<false>(&p.tensor_map_d, buffer(i),
-                                             (i < kHChunks / 2 ? col : inter + col) + (i % (kHChunks / 2)) * kChunkN,
-                                             rows.first, 0);
+                    ptx::tma_store_3d<false>(&p.tensor_map_d, buffer(i), first_column(i), rows.first, 0);
                 ptx::tma_store_3d<false>(&p.tensor_map_act, act_buffer, col, rows.first, 0);
                 ptx::bulk_commit_group();
             }
         } else {
-            // A group's last rows: thread t stores half of row t / 2, 4 x 16 bytes, if the row is
-            // below rows.count (the next tile's wait_staging_free keeps the staging until then).
+            // A group's last rows: thread t copies half of row t / 2 of every buffer, 4 x 16 bytes
+            // each, if the row is below rows.count (the next tile's wait_staging_free keeps the
+            // staging until then).
             const uint32_t r = thread / 2, first_byte = (thread % 2) * 64;
             if (r < rows.count) {
-                uint8_t* dst = p.act_fp8 + static_cast<uint64_t>(rows.first + r) * inter + col + first_byte;
+                const uint64_t m = rows.first + r;
                 #pragma unroll
-                for (uint32_t byte = 0; byte < 64; byte += 16)
-                    *reinterpret_cast<uint4*>(dst + byte) = ptx::ld_shared_v4(swizzled_128b(act_buffer, r, first_byte + byte));
+                for (uint32_t i = 0; i <= kHChunks; ++i) {
+                    uint8_t* dst = i == kHChunks ? p.act_fp8 + m * inter + col
+                                                 : reinterpret_cast<uint8_t*>(p.d + m * p.n + first_column(i));
+                    #pragma unroll
+                    for (uint32_t byte = first_byte; byte < first_byte + 64; byte += 16)
+                        *reinterpret_cast<uint4*>(dst + byte) = ptx::ld_shared_v4(swizzled_128b(buffer(i), r, byte));
+                }
             }
         }
     }
