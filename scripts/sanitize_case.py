@@ -79,7 +79,8 @@ for row_index in (None, index):
                                                a_row_index=row_index)
 dx8 = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
 _, c1 = fp8_quantize_columns(torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16), offsets)
-fp8_quantize_columns(x8[:100], offsets, row_index=index, with_rows=True)  # rows gathered in the loads, some out of range
+for with_rows in (True, False):  # rows gathered in the loads, some out of range
+    fp8_quantize_columns(x8[:100], offsets, row_index=index, with_rows=with_rows)
 _, c2 = fp8_quantize_columns(x8, offsets)
 dy8 = fp8_quantize_rows(d8)  # the data gradient, on the weights' transposed copy
 deep_gemm.m_grouped_fp8_gemm_nt_contiguous((dy8.data, dy8.scales), w8.transposed_operand(), dx8, offsets)
@@ -93,11 +94,14 @@ for dtype in (torch.float32, torch.bfloat16):
 with num_sms_capped(1):
     fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
     fp8_quantize_rows(d8)
+    fp8_quantize_columns(x8, offsets)  # (the columns' kernel: two tile buffers in turn)
     deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
 # The FP8 layer, forward and backward.
 p = make_moe_inputs(100, 256, 128, 8, 4, device="cuda", empty_slot_frac=0.2)
 y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
 mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
+with num_sms_capped(1):  # one CTA a kernel: each GEMM epilogue runs beside the next tile's first product
+    deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
 torch.cuda.synchronize()
 print("sanitize case done")
