@@ -33,8 +33,6 @@ def quantization_fits(rows: int, cols: int, num_groups: int = 1) -> bool:
 # The weights' kernel: a 128 x 128 bf16 tile, its transposed e4m3 copy and 8 fp32 warp maxima of
 # dynamic shared memory.
 _WEIGHTS_SMEM_BYTES = BLOCK * BLOCK * 2 + BLOCK * BLOCK + 8 * 4
-# The columns' kernel: two buffers of a 128 x 128 bf16 tile and four quarters' column maxima.
-_COLUMNS_SMEM_BYTES = 2 * (BLOCK * BLOCK * 2 + 4 * BLOCK * 4)
 
 
 class _KernelSpec(NamedTuple):
@@ -56,8 +54,6 @@ _KERNELS = {
     # the same from e4m3 rows and their scales, dequantized in the loads
     "activations_from_fp8": _KernelSpec("Fp8QuantizeActivations", ", deep_gemm::fp8_quantize::Fp8RowsSource",
                                         _ACTIVATIONS, 0, 4, True),
-    # columns alone from bf16 rows: tiles by cp.async into two buffers a CTA, three CTAs an SM
-    "columns": _KernelSpec("Fp8QuantizeColumns", "", _ACTIVATIONS, _COLUMNS_SMEM_BYTES, 3, True),
     "rows": _KernelSpec("Fp8QuantizeRows", "", _ACTIVATIONS, 0, 4, False),
     "weights": _KernelSpec("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES, 2, False),
 }
@@ -218,8 +214,7 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
     width = columns.data.shape[1]
     rows = empty_fp8_rows(m, k, data.device) if with_rows else None
     # (a launch even with M = 0: it writes the padded offsets)
-    name = "activations_from_fp8" if from_fp8 else "activations" if with_rows else "columns"
-    _launch(name, power_of_two_scales, data.device.index,
+    _launch("activations_from_fp8" if from_fp8 else "activations", power_of_two_scales, data.device.index,
             width // BLOCK * (k // BLOCK), x=data.data_ptr(), x_scales=x.scales.data_ptr() if from_fp8 else 0,
             row_index=0 if row_index is None else row_index.data_ptr(), offsets=group_offsets.data_ptr(),
             q=rows.data.data_ptr() if rows else 0, scales=rows.scales.data_ptr() if rows else 0,

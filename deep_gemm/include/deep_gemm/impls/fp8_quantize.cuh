@@ -129,59 +129,6 @@ struct Fp8QuantizeActivations {
     }
 };
 
-// Columns only, from bf16 rows (gathered by row_index when given): the activations' kernel
-// without rows, its tiles loaded by cp.async straight into shared memory, the next tile's loads
-// in flight while this one is quantized (two tile buffers a CTA). The tiles and the transposed
-// copies are Fp8QuantizeActivations'.
-template <typename ScaleRule>
-struct Fp8QuantizeColumns {
-    static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
-    static constexpr uint32_t kNumBuffers = 2;
-    static constexpr uint32_t kSmemBytes = kNumBuffers * sizeof(fp8_quantize::ColumnSmem);
-
-    __device__ __forceinline__ static void run(const Fp8QuantizeActivationsParams& p) {
-        using namespace fp8_quantize;
-        extern __shared__ __align__(16) uint8_t smem_buffer[];
-        ColumnSmem* buffers = reinterpret_cast<ColumnSmem*>(smem_buffer);
-        __shared__ int padded[kMaxGroups + 1];
-        padded_offsets(p.offsets, p.num_groups, p.m, padded, p.padded_offsets);
-
-        const auto* x = static_cast<const __nv_bfloat16*>(p.x);
-        const uint32_t num_k_blocks = p.k / kTile;
-        const uint32_t num_tiles = static_cast<uint32_t>(padded[p.num_groups]) / kTile * num_k_blocks;
-        // Tile t's loads into `buffer`, one cp.async group (empty past the last tile).
-        const auto copy_tile = [&](uint32_t t, ColumnSmem& buffer) {
-            if (t < num_tiles) {
-                uint32_t row_begin, num_rows;
-                padded_block_rows(padded, p.offsets, p.num_groups, p.m, t / num_k_blocks, row_begin, num_rows);
-                const __nv_bfloat16* src = x + t % num_k_blocks * kTile;
-                if (p.row_index == nullptr) {
-                    TileRegs::copy_rows_async(buffer.tile, src, p.k, num_rows,
-                                              [&](uint32_t r) { return static_cast<int64_t>(row_begin + r); });
-                } else {
-                    TileRegs::copy_rows_async(buffer.tile, src, p.k, num_rows, [&](uint32_t r) {
-                        const int64_t source = __ldg(p.row_index + row_begin + r);
-                        return source < static_cast<int64_t>(p.x_rows) ? source : int64_t{-1};
-                    });
-                }
-            }
-            ptx::cp_async_commit();
-        };
-        copy_tile(blockIdx.x, buffers[0]);
-        uint32_t i = 0;
-        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x, ++i) {
-            // (the other buffer is free: the last tile's quantization ended with a CTA barrier)
-            copy_tile(t + gridDim.x, buffers[(i + 1) % kNumBuffers]);
-            ptx::cp_async_wait<1>();  // this thread's pieces of tile t (the call below syncs the CTA first)
-            const uint32_t block = t / num_k_blocks, kb = t % num_k_blocks;
-            store_smem_columns_fp8<ScaleRule, 1>(&buffers[i % kNumBuffers], p.mp, [&](uint32_t) {
-                return ColumnDst{p.qt + static_cast<uint64_t>(kb) * kTile * p.mp + block * kTile,
-                                 p.scales_t + static_cast<uint64_t>(block) * p.k + kb * kTile};
-            });
-        }
-    }
-};
-
 // Rows only, from bf16 rows read as they are (`fp8_quantize_rows`): launched one CTA a tile (the
 // loop serves smaller grids), no shared memory, no group scan: the activations' kernel's rows
 // without its persistent walk (docs/PERF.md, "Decisions": FP8 quantization grids).

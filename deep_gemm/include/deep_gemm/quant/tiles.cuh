@@ -79,18 +79,6 @@ struct TileRegs {
         ptx::cp_async_16(smem + smem_offset(i), src + (valid ? row(i) : 0) * ld + col(), valid);
     }
 
-    // `load_rows`' tile into `smem` [128][128] bf16 instead of registers, by cp.async (zeros where
-    // it loads zeros), all eight pieces in flight at once; the caller commits the group.
-    template <typename SourceOf>
-    __device__ __forceinline__ static void copy_rows_async(__nv_bfloat16* smem, const __nv_bfloat16* src, uint64_t ld,
-                                                           uint32_t num_rows, const SourceOf& source_of) {
-        #pragma unroll
-        for (uint32_t i = 0; i < kNumPasses; ++i) {
-            const int64_t source = row(i) < num_rows ? source_of(row(i)) : -1;
-            ptx::cp_async_16(smem + smem_offset(i), src + (source >= 0 ? source : 0) * ld + col(), source >= 0);
-        }
-    }
-
     // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
     __device__ __forceinline__ float row_amax(uint32_t i) const { return fp8_quantize::row_amax(raw[i]); }
 
