@@ -94,7 +94,7 @@ for dtype in (torch.float32, torch.bfloat16):
 with num_sms_capped(1):
     fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16))
     fp8_quantize_rows(d8)
-    fp8_quantize_columns(x8, offsets)  # (the columns' kernel: two tile buffers in turn)
+    fp8_quantize_columns(x8, offsets)  # (the activations' kernel walking every tile)
     deep_gemm.k_grouped_fp8_gemm_tn_contiguous((c1.data, c1.scales), (c2.data, c2.scales),
                                                torch.zeros(len(sizes), 384, 256, device="cuda"), c1.padded_offsets)
 # The FP8 layer, forward and backward.
