@@ -12,7 +12,10 @@
 namespace deep_gemm::mma {
 
 constexpr uint32_t BLOCK_K_FP8 = 128;  // one 128-byte swizzle row of e4m3
-constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads / 32;  // every math warp releases a stage itself
+// Every math thread releases a stage itself, after its own reads of the stage's scales: measured as
+// fast as one lane a warp behind a __syncwarp (docs/PERF.md, "Decisions": stage releases), which
+// compute-sanitizer's racecheck cannot follow.
+constexpr uint32_t kFp8ReleasesPerCta = kNumMathThreads;
 
 // A thread's share of a k-block's scales, which `promote` applies: acc += part * scale (acc =
 // part * scale with kFresh, the tile's first k-block where nothing zeroed acc). The
@@ -159,7 +162,6 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     timeline::mark(timeline::kTileStart, num_k_blocks);
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
-    const bool releases = ptx::lane_idx() == 0;
     // Stage 0's descriptors, made once: a stage's are these advanced by its offset. Their low
     // words come from lane 0 (a shuffle), so that the compiler keeps them in uniform registers
     // and the MMAs read them there, not through a move from vector registers each.
@@ -199,9 +201,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts) {
-            __syncwarp();  // every lane's reads of the stage before lane 0 releases it
-            if (releases)
-                smem.empty(pipe.stage)->arrive();
+            smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
         }
         s.template promote<decltype(fresh)::value>(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
