@@ -82,27 +82,46 @@ struct Sm90FP8KGroupedGemm {
             const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
             StageScales<kProductN / 2> scales;  // the k-block's, loaded before its MMAs
-            // The next tile is found while this tile's first MMAs run. (Found after the epilogue
-            // instead, ptxas gives this code none of setmaxnreg's extra registers: it spills.)
+            // The next tile is found while this tile's first MMAs run, and the previous tile's
+            // epilogue runs beside them too: the first k-block's promotion then overwrites acc
+            // (docs/PERF.md, "Decisions": epilogue beside the next tile). (Found after the
+            // epilogue instead, ptxas gives this code none of setmaxnreg's extra registers: it spills.)
             typename Scheduler::Tile upcoming;
-            bool more = scheduler.next(tile);
-            while (more) {
-                const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                if (Epilogue::kAccumulates and num_k_blocks == 0) {  // an empty group adds nothing
+            bool more = scheduler.next(tile), pending = false;
+            uint32_t done_group = 0, done_m = 0, done_n = 0;  // the tile whose store is pending
+            const auto store = [&](uint32_t group, uint32_t m_begin, uint32_t n_begin) {
+                Epilogue::store(acc, p, group, m_begin + wg * 64, n_begin, staging, 2 + wg);
+                timeline::mark(timeline::kEpilogueEnd, group);
+            };
+            for (;;) {
+                const uint32_t num_k_blocks = more ? (tile.k_end - tile.k_begin) / BLOCK_K_FP8 : 0;
+                if (not more or (num_k_blocks == 0 and not Epilogue::kAccumulates)) {
+                    if (pending)
+                        store(done_group, done_m, done_n);
+                    if (not more)
+                        break;
+                    zero_accum(acc);  // an empty group: zeros, stored beside the next tile's product
+                    done_group = tile.group, done_m = tile.m_begin, done_n = tile.n_begin, pending = true;
                     more = scheduler.next(tile);
                     continue;
                 }
-                zero_accum(acc);
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets>(
+                if (num_k_blocks == 0) {  // an empty group adds nothing
+                    more = scheduler.next(tile);
+                    continue;
+                }
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     [&](uint32_t, uint32_t, uint32_t) { return RowColumnScales<kProductN / 2>(scales); },
                     [&](uint32_t stage) {
                         scales.load(smem.scales(stage) + scale_row, smem.scales(stage) + BLOCK_M);
                     },
-                    [&] { more = scheduler.next(upcoming); });
+                    [&] {
+                        more = scheduler.next(upcoming);
+                        if (pending)
+                            store(done_group, done_m, done_n);
+                    });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
-                Epilogue::store(acc, p, tile.group, tile.m_begin + wg * 64, tile.n_begin, staging, 2 + wg);
-                timeline::mark(timeline::kEpilogueEnd, tile.group);
+                done_group = tile.group, done_m = tile.m_begin, done_n = tile.n_begin, pending = true;
                 tile = upcoming;
             }
             Epilogue::drain();
