@@ -334,13 +334,16 @@ def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, o
 
 
 @requires_sm90
+@pytest.mark.parametrize("out_dtype,accumulate", K_VARIANTS,
+                         ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}" for t, a in K_VARIANTS])
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_weight_gradient_walks_many_groups_on_few_sms(num_sms):
+def test_weight_gradient_walks_many_groups_on_few_sms(num_sms, out_dtype, accumulate):
     """With few SMs each CTA walks many tiles, finding the next one (one or more groups on, some
-    empty) while the current one's first MMAs run; every tile of every group is written once."""
-    sizes = [(g % 5) * 70 for g in range(40)]  # 4 tiles a group, a fifth of the groups empty
+    empty) and storing the last one while the current one's first MMAs run, an empty group's
+    zeros too; every tile of every group is written once, the last groups' (empty) included."""
+    sizes = [(g % 5) * 70 for g in range(40)] + [0, 0]  # 4 tiles a group, a fifth of the groups empty
     with num_sms_capped(num_sms):
-        _, (exact, bar), _ = _run_k_grouped(sizes, 256, 256, torch.float32, False)
+        _, (exact, bar), _ = _run_k_grouped(sizes, 256, 256, out_dtype, accumulate)
     assert exact <= bar, f"error {exact:.2e}, bar {bar:.2e}"
 
 
