@@ -93,6 +93,9 @@ struct Sm90FP8KGroupedGemm {
                 Epilogue::store(acc, p, group, m_begin + wg * 64, n_begin, staging, 2 + wg);
                 timeline::mark(timeline::kEpilogueEnd, group);
             };
+            const auto defer_store = [&](const typename Scheduler::Tile& t) {  // acc holds t's sums
+                done_group = t.group, done_m = t.m_begin, done_n = t.n_begin, pending = true;
+            };
             for (;;) {
                 const uint32_t num_k_blocks = more ? (tile.k_end - tile.k_begin) / BLOCK_K_FP8 : 0;
                 if (not more or (num_k_blocks == 0 and not Epilogue::kAccumulates)) {
@@ -101,7 +104,7 @@ struct Sm90FP8KGroupedGemm {
                     if (not more)
                         break;
                     zero_accum(acc);  // an empty group: zeros, stored beside the next tile's product
-                    done_group = tile.group, done_m = tile.m_begin, done_n = tile.n_begin, pending = true;
+                    defer_store(tile);
                     more = scheduler.next(tile);
                     continue;
                 }
@@ -121,7 +124,7 @@ struct Sm90FP8KGroupedGemm {
                             store(done_group, done_m, done_n);
                     });
                 timeline::mark(timeline::kMainloopEnd, tile.group);
-                done_group = tile.group, done_m = tile.m_begin, done_n = tile.n_begin, pending = true;
+                defer_store(tile);
                 tile = upcoming;
             }
             Epilogue::drain();
