@@ -5,8 +5,9 @@
 // group's tokens padded with zeros to a multiple of 128 (group_offsets: the padded offsets), one
 // scale per 128 tokens x 1 column of each. D [G, M, N] fp32 or bf16, written or added to as the
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
-// kernel's; the mainloop promotes every 128-token block with its row and column scales
-// (mma/pipeline_fp8.cuh). Every operand, scales included, comes by TMA from one producer thread.
+// kernel's; the mainloop promotes every 128-token block with its row and column scales, whose
+// products the tensor cores make (mma/pipeline_fp8.cuh, TensorCoreScales). Every operand, scales
+// included, comes by TMA from one producer thread.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -31,7 +32,9 @@ template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
     static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
-    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, 2 * Epilogue::kStagingBytes, kScaleBytes>;
+    // (after the two warpgroups' staging: their scale products' B tiles)
+    static constexpr uint32_t kExtraBytes = 2 * (Epilogue::kStagingBytes + mma::TensorCoreScales::kBytesPerWarpgroup);
+    using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, kExtraBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
     // One 128-column product a k-block (its scales loaded before its MMAs are issued, multiplied
@@ -79,9 +82,9 @@ struct Sm90FP8KGroupedGemm {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
-            const uint32_t scale_row = accumulator_row();
             float acc[BLOCK_N / 2];
-            StageScales<kProductN / 2> scales;  // the k-block's, loaded before its MMAs
+            // the k-block's, loaded before its MMAs
+            TensorCoreScales scales(smem.extra() + 2 * Epilogue::kStagingBytes + wg * TensorCoreScales::kBytesPerWarpgroup);
             // The next tile is found while this tile's first MMAs run, and the previous tile's
             // epilogue runs beside them too: the first k-block's promotion then overwrites acc
             // (docs/PERF.md, "Decisions": epilogue beside the next tile). (Found after the
@@ -114,9 +117,9 @@ struct Sm90FP8KGroupedGemm {
                 }
                 consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t, uint32_t, uint32_t) { return RowColumnScales<kProductN / 2>(scales); },
+                    [&](uint32_t, uint32_t, uint32_t) -> TensorCoreScales& { return scales.issue(); },
                     [&](uint32_t stage) {
-                        scales.load(smem.scales(stage) + scale_row, smem.scales(stage) + BLOCK_M);
+                        scales.load(smem.scales(stage) + wg * 64, smem.scales(stage) + BLOCK_M);
                     },
                     [&] {
                         more = scheduler.next(upcoming);

@@ -7,7 +7,9 @@
 #include <type_traits>
 #include <utility>
 #include "pipeline.cuh"
+#include "wgmma.cuh"
 #include "wgmma_fp8.cuh"
+#include "wgmma_tf32.cuh"
 
 namespace deep_gemm::mma {
 
@@ -40,45 +42,74 @@ struct RowScales {
     }
 };
 
-// A k-block's scales for the weight gradient (both operands per 128 x 1): a thread's two row
-// scales and its kNum / 2 column scales, read from the stage before its MMAs are issued (volatile
-// loads, which stay ahead of the MMAs' fence): at the power cap the layer 2% faster than with
-// them read after the MMAs, fp32 outputs up to 4% slower (docs/PERF.md, "Decisions": FP8 weight
-// gradient).
-template <uint32_t kNum>
-struct StageScales {
-    static_assert(kNum % 4 == 0, "whole groups of 8 columns (4 accumulators a thread)");
-    float row[2];
-    float2 col[kNum / 4];  // columns 8 j + (lane % 4) * 2 + {0, 1}
+// A k-block's scales for the weight gradient (both operands per 128 x 1), their products row
+// scale x column scale made by the tensor cores: one m64n128k8 TF32 MMA a warpgroup a k-block,
+// issued behind the k-block's FP8 MMAs, so that the promotion is one FFMA an accumulator with no
+// per-accumulator loads or multiplies (docs/PERF.md, "Decisions": FP8 weight gradient). Each fp32
+// scale x is split into TF32 parts hi = rna(x) and lo = rna(x - hi); the MMA sums hi_r hi_c +
+// hi_r lo_c + lo_r hi_c over k = 0..2 (A's row r: (hi, hi, lo, 0), B's column c: (hi, lo, hi,
+// 0)), within ~2^-21 of the fp32 product. A (64 x 8) and B (128 x 8) are K-major tiles without
+// swizzle, row i's k = 0..3 as the 16 bytes at i * 16 and its k = 4..7 from a zero tile; each
+// thread writes its column of B and its row of A (rows once per 64 threads) a k-block. Two sets
+// of tiles alternate, so a set is rewritten only after every warp of the warpgroup has passed the
+// named barrier behind the MMA that read it.
+struct TensorCoreScales {
+    static constexpr uint32_t kBytesA = 64 * 16, kBytesB = 128 * 16, kBytesSet = kBytesA + kBytesB;
+    // Per warpgroup: sets 0 and 1 (A, then B), then the zero tile (every tile's k = 4..7).
+    static constexpr uint32_t kOffsetZeros = 2 * kBytesSet;
+    static constexpr uint32_t kBytesPerWarpgroup = kOffsetZeros + kBytesB;
+    static constexpr uint32_t kBarrier = 4;  // + warpgroup: a set of tiles written
 
-    // `rows`: this thread's first row's scale (the second 8 rows on); `cols`: the product's first.
+    uint32_t tiles, set;  // (tiles: a shared-memory address, one register)
+    float row, col;  // the k-block's scales of this thread's A row and B column
+    float s[64];     // the products, accumulator layout
+
+    // `warpgroup_tiles`: this warpgroup's kBytesPerWarpgroup (16-byte aligned).
+    __device__ __forceinline__ explicit TensorCoreScales(uint8_t* warpgroup_tiles)
+        : tiles(ptx::smem_addr(warpgroup_tiles)), set(0) {
+        ptx::st_shared_v4(warpgroup_tiles + kOffsetZeros + threadIdx.x % 128 * 16, make_uint4(0, 0, 0, 0));
+    }
+
+    // Before the k-block's MMAs: `rows` and `cols` the warpgroup's first row's and the tile's
+    // first column's scales.
     __device__ __forceinline__ void load(const float* rows, const float* cols) {
-        row[0] = ptx::ld_shared_f32(rows), row[1] = ptx::ld_shared_f32(rows + 8);
-        const float* mine = cols + (ptx::lane_idx() % 4) * 2;
-        #pragma unroll
-        for (uint32_t j = 0; j < kNum / 4; ++j)
-            col[j] = ptx::ld_shared_v2(mine + 8 * j);
-    }
-};
-
-// One scale per row and one per column, multiplied into one scale per accumulator when made,
-// i.e. while the product's MMAs are in flight: after the wait the promotion is one FFMA per
-// accumulator, as the forward's.
-template <uint32_t kNum>
-struct RowColumnScales {
-    float scale[kNum];
-
-    __device__ __forceinline__ explicit RowColumnScales(const StageScales<kNum>& s) {
-        #pragma unroll
-        for (uint32_t i = 0; i < kNum; ++i)
-            scale[i] = (i % 2 ? s.col[i / 4].y : s.col[i / 4].x) * s.row[(i / 2) % 2];
+        row = ptx::ld_shared_f32(rows + threadIdx.x % 64);
+        col = ptx::ld_shared_f32(cols + threadIdx.x % 128);
     }
 
+    // While the k-block's FP8 MMAs run: the tiles, then the products' MMA (its own batch).
+    __device__ __forceinline__ TensorCoreScales& issue() {
+        const auto split = [](float x, uint32_t& hi, uint32_t& lo) {
+            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+        };
+        uint32_t r_hi, r_lo, c_hi, c_lo;
+        split(row, r_hi, r_lo);
+        split(col, c_hi, c_lo);
+        const uint32_t a = tiles + set * kBytesSet, b = a + kBytesA;
+        ptx::st_shared_v4_at(a + threadIdx.x % 64 * 16, make_uint4(r_hi, r_hi, r_lo, 0));
+        ptx::st_shared_v4_at(b + threadIdx.x % 128 * 16, make_uint4(c_hi, c_lo, c_hi, 0));
+        // (k = 4..7 from the zero tile, LBO on; 8-row core matrices 128 bytes apart)
+        const uint32_t to_zeros = kOffsetZeros - set * kBytesSet;
+        const uint64_t desc_a = warp_uniform_desc(make_unswizzled_desc(a, to_zeros, 128));
+        const uint64_t desc_b = warp_uniform_desc(make_unswizzled_desc(b, to_zeros - kBytesA, 128));
+        set ^= 1;
+        ptx::fence_view_async_shared();
+        ptx::named_barrier_sync(kBarrier + threadIdx.x / 128, 128);
+        warpgroup_arrive();
+        WGMMATf32<128>::mma(desc_a, desc_b, s);
+        warpgroup_commit_batch();
+        warpgroup_fence_operand(s);
+        return *this;
+    }
+
+    // After the wait for both batches: acc += part * s (acc = part * s with kFresh).
     template <bool kFresh = false>
-    __device__ __forceinline__ void promote(const float (&part)[kNum], float (&acc)[kNum]) const {
+    __device__ __forceinline__ void promote(const float (&part)[64], float (&acc)[64]) {
+        warpgroup_fence_operand(s);
         #pragma unroll
-        for (uint32_t i = 0; i < kNum; ++i)
-            acc[i] = kFresh ? part[i] * scale[i] : fmaf(part[i], scale[i], acc[i]);
+        for (uint32_t i = 0; i < 64; ++i)
+            acc[i] = kFresh ? part[i] * s[i] : fmaf(part[i], s[i], acc[i]);
     }
 };
 
@@ -197,7 +228,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     // batches are left in flight; after the block's last product's MMAs the stage is released.
     const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols, auto fresh) {
         constexpr uint32_t kCols = decltype(cols)::value;
-        const auto s = scales(pipe.stage, k_block, kCols);
+        auto&& s = scales(pipe.stage, k_block, kCols);  // (a reference where the scales hold MMA outputs)
         warpgroup_wait<decltype(newer)::value>();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts) {

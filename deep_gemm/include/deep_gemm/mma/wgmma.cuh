@@ -19,7 +19,8 @@ enum class Major { kKMajor, kMNMajor };
 
 constexpr uint32_t kMNChunkBytes = 64 * kSwizzleBytes;  // one TMA box of 64 (MN) x 64 (K)
 
-// Builds a wgmma shared-memory descriptor (PTX ISA "matrix descriptor format").
+// Builds a wgmma shared-memory descriptor (PTX ISA "matrix descriptor format") of a tile in
+// the 128-byte-swizzled layout.
 __device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t leading_byte_offset,
                                                    uint32_t stride_byte_offset) {
     const uint64_t addr = ptx::smem_addr(ptr);
@@ -29,6 +30,16 @@ __device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t lea
     desc |= static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
     desc |= static_cast<uint64_t>(1) << 62;                         // 128-byte swizzle
     return desc;
+}
+
+// The descriptor of a K-major tile without swizzle at shared-memory address `addr`: 8-row x
+// 16-byte core matrices (128 contiguous bytes each), `leading_byte_offset` apart along K and
+// `stride_byte_offset` apart along M/N (layout type 0).
+__device__ __forceinline__ uint64_t make_unswizzled_desc(uint32_t addr, uint32_t leading_byte_offset,
+                                                         uint32_t stride_byte_offset) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+           static_cast<uint64_t>((leading_byte_offset & 0x3FFFF) >> 4) << 16 |
+           static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
 }
 
 // The descriptor of the same layout `bytes` (a multiple of 16) further on: shared-memory
