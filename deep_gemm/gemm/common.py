@@ -51,15 +51,16 @@ class GemmConfig:
         return f"{self.block_n}t{buffers}{'m' if self.multicast_b else ''}"
 
 
-def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, **kwargs) -> GemmConfig:
+def make_config(block_n: int, staging_bytes_per_warpgroup: int, scale_bytes_per_stage: int = 0, extra_bytes: int = 0,
+                **kwargs) -> GemmConfig:
     """The deepest pipeline that fits beside the two math warpgroups' epilogue staging (each
-    warpgroup's `staging_bytes_per_warpgroup`), as the kernels' mma::GemmSmem lays it out (FP8:
-    with `scale_bytes_per_stage` for A's scales)."""
-    epilogue_bytes = 2 * staging_bytes_per_warpgroup
+    warpgroup's `staging_bytes_per_warpgroup`) and the kernel's own `extra_bytes` after it, as the
+    kernels' mma::GemmSmem lays it out (FP8: with `scale_bytes_per_stage` for the scales)."""
+    epilogue_bytes = 2 * staging_bytes_per_warpgroup + extra_bytes
 
     def total(num_stages: int) -> int:
         # A and B tiles of 128-byte rows (64 bf16 or 128 fp8 of K), the scales padded to 1024
-        # bytes (the epilogue's alignment), the staging, full and empty barriers
+        # bytes (the epilogue's alignment), the staging and extra bytes, full and empty barriers
         scales = -(-num_stages * scale_bytes_per_stage // 1024) * 1024
         return num_stages * (BLOCK_M + block_n) * 128 + scales + epilogue_bytes + num_stages * 2 * _BARRIER_BYTES
 

@@ -24,8 +24,10 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
     ("tensor_map_scales_a", "tensor_map"), ("tensor_map_scales_b", "tensor_map"), ("d", "ptr"),
     ("group_offsets", "ptr"), ("m", "u32"), ("n", "u32"), ("rows", "u32"), ("num_groups", "u32")])
-_SCALE_BYTES = (BLOCK_M + BLOCK_N) * 4  # a stage's row and column scales
-_SCALE_TILE_BYTES = 2 * (64 + 128) * 16 + 128 * 16  # a warpgroup's tiles of its scale products (mma::TensorCoreScales)
+# A stage's row and column scales, then their TF32 tiles (16 bytes a row and a column); outside the
+# stages a zero tile and eight ready barriers (mma::tc_scales)
+_SCALE_BYTES = (BLOCK_M + BLOCK_N) * (4 + 16)
+_TC_SCALES_EXTRA = 128 * 16 + 8 * 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,11 +36,11 @@ def get_config(out_dtype: torch.dtype, accumulate: bool) -> GemmConfig:
     four 32-column chunks in two batches, docs/PERF.md "Decisions"; bf16: two, its two 64-column
     chunks), or row copies where a bf16 output accumulates (tensor reduce-adds serve fp32 here)."""
     if accumulate and out_dtype != torch.float32:
-        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize) + _SCALE_TILE_BYTES, _SCALE_BYTES,
-                           row_copies=True)
+        return make_config(BLOCK_N, row_staging_bytes(BLOCK_N, out_dtype.itemsize), _SCALE_BYTES,
+                           row_copies=True, extra_bytes=_TC_SCALES_EXTRA)
     buffers = 4 if out_dtype == torch.float32 else 2
-    return make_config(BLOCK_N, swizzled_staging_bytes(buffers) + _SCALE_TILE_BYTES, _SCALE_BYTES,
-                       store_buffers=buffers)
+    return make_config(BLOCK_N, swizzled_staging_bytes(buffers), _SCALE_BYTES, store_buffers=buffers,
+                       extra_bytes=_TC_SCALES_EXTRA)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,6 +3,7 @@
 // accumulators of one group's output D[g] [M, N] leave, written over D or added to it. A policy
 // gives
 //   kAccumulates     D += acc (an empty group then leaves D[g] as it is) rather than D = acc;
+//   kOutBytes        bytes of one element of D;
 //   kStagingBytes    shared memory per warpgroup;
 //   prefetch(p)      its tensor maps, once per CTA by one thread;
 //   store(acc, p, group, row, n_begin, staging, barrier_id)   rows from `row` of D[group], which
@@ -24,6 +25,7 @@ enum class Output { kOverwrite, kAccumulate };
 template <uint32_t BLOCK_N, typename OutT, Output kOutput, uint32_t kNumBuffers>
 struct TensorStores {
     static constexpr bool kAccumulates = kOutput == Output::kAccumulate;
+    static constexpr uint32_t kOutBytes = sizeof(OutT);
     static_assert(not kAccumulates or std::is_same_v<OutT, float>, "tensor reduce-adds are used for fp32 only");
     static constexpr uint32_t kStagingBytes = SwizzledStaging<OutT, kNumBuffers>::kBytesPerWarpgroup;
 
@@ -47,6 +49,7 @@ struct TensorStores {
 template <uint32_t BLOCK_N, typename OutT, Output kOutput>
 struct RowCopies {
     static constexpr bool kAccumulates = kOutput == Output::kAccumulate;
+    static constexpr uint32_t kOutBytes = sizeof(OutT);
     static constexpr uint32_t kStagingBytes = RowStaging<BLOCK_N, OutT>::kBytesPerWarpgroup;
 
     template <typename Params>

@@ -6,8 +6,9 @@
 // scale per 128 tokens x 1 column of each. D [G, M, N] fp32 or bf16, written or added to as the
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
 // kernel's; the mainloop promotes every 128-token block with its row and column scales, whose
-// products the tensor cores make (mma/pipeline_fp8.cuh, TensorCoreScales). Every operand, scales
-// included, comes by TMA from one producer thread.
+// products the tensor cores make (mma/pipeline_fp8.cuh, tc_scales). Every operand, scales
+// included, comes by TMA from one producer thread; a second producer warp turns each stage's
+// scales into the products' TF32 tiles.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -31,27 +32,43 @@ struct alignas(128) KGroupedFp8GemmParams {
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
-    static constexpr uint32_t kScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // A's row scales, then B's
-    // (after the two warpgroups' staging: their scale products' B tiles)
-    static constexpr uint32_t kExtraBytes = 2 * (Epilogue::kStagingBytes + mma::TensorCoreScales::kBytesPerWarpgroup);
+    static_assert(BLOCK_M == mma::tc_scales::kRows and BLOCK_N == mma::tc_scales::kRows and
+                  kNumStages <= mma::tc_scales::kMaxStages);
+    // A stage's A row scales, then B's, then their TF32 tiles; after the two warpgroups' staging,
+    // the zero tile and the stages' scale barriers
+    static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes;
+    static constexpr uint32_t kRawScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // (what TMA brings)
+    static constexpr uint32_t kExtraBytes = 2 * Epilogue::kStagingBytes + mma::tc_scales::kExtraBytes;
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, kExtraBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
-    // One 128-column product a k-block (its scales loaded before its MMAs are issued, multiplied
-    // while they run; docs/PERF.md, "Decisions": FP8 weight gradient).
+    // One 128-column product a k-block, one set of them (docs/PERF.md, "Decisions": FP8 weight
+    // gradient): its scale products are one TF32 MMA's.
     static constexpr uint32_t kProductN = 128;
-    static_assert(BLOCK_N == kProductN, "one product a k-block: its scales are loaded once, before its MMAs");
-    // One set of products: each k-block is promoted before the next one's scales are loaded into
-    // the one StageScales (two sets would overwrite a block's scales before its promotion).
+    static_assert(BLOCK_N == kProductN, "one product a k-block: one TF32 MMA of its scales");
     static constexpr uint32_t kNumProductSets = 1;
+    // A bf16 tile is stored beside the next tile's first products (docs/PERF.md, "Decisions":
+    // epilogue beside the next tile); an fp32 one before them, whose staging needs the registers
+    // that the first products' scales then hold.
+    static constexpr bool kStoreBeside = Epilogue::kOutBytes == 2;
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
         using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
         extern __shared__ __align__(1024) uint8_t smem_buffer[];
         const Smem smem{smem_buffer};
-
-        start_gemm<0, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        // (the zero tile and the scale barriers: functions, so that no address stays live across roles)
+        const auto zeros = [&] { return smem.extra() + 2 * Epilogue::kStagingBytes; };
+        const auto scales_landed = [&](uint32_t stage) {  // a stage's scale loads (the producer's arrival)
+            return reinterpret_cast<ptx::MBarrier*>(zeros() + tc_scales::kZeroBytes) + stage;
+        };
+        const auto stage_scales = [&](uint32_t stage) { return reinterpret_cast<uint8_t*>(smem.scales(stage)); };
+        if (threadIdx.x == 0) {
+            for (uint32_t s = 0; s < kNumStages; ++s)
+                scales_landed(s)->init(1);  // (fenced with the others in start_gemm)
+        }
+        // (full barriers: one arrival more, the converter warp's)
+        start_gemm<1, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
         if (threadIdx.x == 0)
             Epilogue::prefetch(p);
 
@@ -61,6 +78,20 @@ struct Sm90FP8KGroupedGemm {
 
         if (threadIdx.x >= kNumMathThreads) {
             ptx::warpgroup_reg_dealloc<kProducerRegs>();
+            if (threadIdx.x / 32 == kNumMathThreads / 32 + 1) {  // the converter warp: every stage in the producer's order
+                for (uint32_t i = 0; i < tc_scales::kZeroBytes / 16; i += 32)  // (fenced in convert)
+                    ptx::st_shared_v4(zeros() + (i + ptx::lane_idx()) * 16, make_uint4(0, 0, 0, 0));
+                while (scheduler.next(tile)) {
+                    for (uint32_t k_block = tile.k_begin; k_block < tile.k_end; k_block += BLOCK_K_FP8) {
+                        scales_landed(pipe.stage)->wait(pipe.phase);
+                        tc_scales::convert(stage_scales(pipe.stage));
+                        if (ptx::lane_idx() == 0)
+                            smem.full(pipe.stage)->arrive();
+                        pipe.template advance<kNumStages>();
+                    }
+                }
+                return;
+            }
             if (threadIdx.x != kNumMathThreads)
                 return;
             ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
@@ -69,13 +100,15 @@ struct Sm90FP8KGroupedGemm {
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
+                    ptx::MBarrier* scales_bar = scales_landed(stage);
+                    scales_bar->arrive_and_expect_tx(kRawScaleBytes);
+                    ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, scales_bar, tile.m_begin, k / BLOCK_K_FP8);
+                    ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, scales_bar, tile.n_begin,
+                                     k / BLOCK_K_FP8);
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
-                    ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
-                    ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin,
-                                     k / BLOCK_K_FP8);
                 });
             }
         } else {
@@ -83,12 +116,12 @@ struct Sm90FP8KGroupedGemm {
             const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             float acc[BLOCK_N / 2];
-            // the k-block's, loaded before its MMAs
-            TensorCoreScales scales(smem.extra() + 2 * Epilogue::kStagingBytes + wg * TensorCoreScales::kBytesPerWarpgroup);
+            tc_scales::Products scales;  // the k-block's, issued before its FP8 MMAs
             // The next tile is found while this tile's first MMAs run, and the previous tile's
-            // epilogue runs beside them too: the first k-block's promotion then overwrites acc
-            // (docs/PERF.md, "Decisions": epilogue beside the next tile). (Found after the
-            // epilogue instead, ptxas gives this code none of setmaxnreg's extra registers: it spills.)
+            // epilogue runs beside them too (kStoreBeside) or just before: the first k-block's
+            // promotion then overwrites acc (docs/PERF.md, "Decisions": epilogue beside the next
+            // tile). (Found after the epilogue instead, ptxas gives this code none of setmaxnreg's
+            // extra registers: it spills.)
             typename Scheduler::Tile upcoming;
             bool more = scheduler.next(tile), pending = false;
             uint32_t done_group = 0, done_m = 0, done_n = 0;  // the tile whose store is pending
@@ -115,15 +148,17 @@ struct Sm90FP8KGroupedGemm {
                     more = scheduler.next(tile);
                     continue;
                 }
+                if (not kStoreBeside and pending)
+                    store(done_group, done_m, done_n), pending = false;
                 consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t, uint32_t, uint32_t) -> TensorCoreScales& { return scales.issue(); },
+                    [&](uint32_t, uint32_t, uint32_t) -> tc_scales::Products& { return scales; },
                     [&](uint32_t stage) {
-                        scales.load(smem.scales(stage) + wg * 64, smem.scales(stage) + BLOCK_M);
+                        scales.issue(stage_scales(stage), zeros());
                     },
                     [&] {
                         more = scheduler.next(upcoming);
-                        if (pending)
+                        if (kStoreBeside and pending)
                             store(done_group, done_m, done_n);
                     });
                 timeline::mark(timeline::kMainloopEnd, tile.group);

@@ -42,65 +42,66 @@ struct RowScales {
     }
 };
 
-// A k-block's scales for the weight gradient (both operands per 128 x 1), their products row
-// scale x column scale made by the tensor cores: one m64n128k8 TF32 MMA a warpgroup a k-block,
-// issued behind the k-block's FP8 MMAs, so that the promotion is one FFMA an accumulator with no
-// per-accumulator loads or multiplies (docs/PERF.md, "Decisions": FP8 weight gradient). Each fp32
-// scale x is split into TF32 parts hi = rna(x) and lo = rna(x - hi); the MMA sums hi_r hi_c +
-// hi_r lo_c + lo_r hi_c over k = 0..2 (A's row r: (hi, hi, lo, 0), B's column c: (hi, lo, hi,
-// 0)), within ~2^-21 of the fp32 product. A (64 x 8) and B (128 x 8) are K-major tiles without
-// swizzle, row i's k = 0..3 as the 16 bytes at i * 16 and its k = 4..7 from a zero tile; each
-// thread writes its column of B and its row of A (rows once per 64 threads) a k-block. Two sets
-// of tiles alternate, so a set is rewritten only after every warp of the warpgroup has passed the
-// named barrier behind the MMA that read it.
-struct TensorCoreScales {
-    static constexpr uint32_t kBytesA = 64 * 16, kBytesB = 128 * 16, kBytesSet = kBytesA + kBytesB;
-    // Per warpgroup: sets 0 and 1 (A, then B), then the zero tile (every tile's k = 4..7).
-    static constexpr uint32_t kOffsetZeros = 2 * kBytesSet;
-    static constexpr uint32_t kBytesPerWarpgroup = kOffsetZeros + kBytesB;
-    static constexpr uint32_t kBarrier = 4;  // + warpgroup: a set of tiles written
+// The weight gradient's k-block scales (both operands per 128 x 1), their products row scale x
+// column scale made by the tensor cores: one m64n128k8 TF32 MMA a warpgroup a k-block, issued
+// ahead of the k-block's FP8 MMAs, so that the promotion is one FFMA an accumulator with no
+// scale loads or multiplies in the math warps (docs/PERF.md, "Decisions": FP8 weight gradient).
+// Each fp32 scale x is split into TF32 parts hi = rna(x) and lo = rna(x - hi); the MMA sums
+// hi_r hi_c + hi_r lo_c + lo_r hi_c over k = 0..2 (A's row r: (hi, hi, lo, 0); B's column c:
+// (hi, lo, hi, 0)), within ~2^-21 of the fp32 product. A (128 x 8, both warpgroups' rows) and B
+// (128 x 8) are K-major tiles without swizzle in the stage, after its TMA-loaded scales: row i's
+// k = 0..3 are the 16 bytes at i * 16, its k = 4..7 come from one zero tile. The scales land on
+// a barrier of their own; a converter warp then writes the tiles and arrives on the stage's full
+// barrier, which thus completes with the operands' bytes, the producer's arrival and its own.
+namespace tc_scales {
 
-    uint32_t tiles, set;  // (tiles: a shared-memory address, one register)
-    float row, col;  // the k-block's scales of this thread's A row and B column
-    float s[64];     // the products, accumulator layout
+constexpr uint32_t kRows = 128;                       // the tile's rows, and its columns
+constexpr uint32_t kOffsetA = 2 * kRows * sizeof(float);  // after the stage's row, then column scales
+constexpr uint32_t kOffsetB = kOffsetA + kRows * 16;
+constexpr uint32_t kStageBytes = kOffsetB + kRows * 16;  // a stage's scales and tiles
+constexpr uint32_t kMaxStages = 8;
+// Outside the stages: the zero tile, then a barrier a stage for its scales' TMA loads.
+constexpr uint32_t kZeroBytes = kRows * 16, kExtraBytes = kZeroBytes + kMaxStages * sizeof(uint64_t);
 
-    // `warpgroup_tiles`: this warpgroup's kBytesPerWarpgroup (16-byte aligned).
-    __device__ __forceinline__ explicit TensorCoreScales(uint8_t* warpgroup_tiles)
-        : tiles(ptx::smem_addr(warpgroup_tiles)), set(0) {
-        ptx::st_shared_v4(warpgroup_tiles + kOffsetZeros + threadIdx.x % 128 * 16, make_uint4(0, 0, 0, 0));
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+// The converter warp's work on one landed stage (`scales`: its kStageBytes): the tiles, then a
+// fence that shows them to the tensor cores (the async proxy) before the caller's arrival.
+__device__ __forceinline__ void convert(uint8_t* scales) {
+    const uint32_t lane = ptx::lane_idx();
+    const float* raw = reinterpret_cast<const float*>(scales);
+    #pragma unroll
+    for (uint32_t i = 0; i < kRows / 32; ++i) {  // (lanes on consecutive rows: no bank conflicts)
+        const uint32_t r = lane + 32 * i;
+        uint32_t hi, lo;
+        split(ptx::ld_shared_f32(raw + r), hi, lo);
+        ptx::st_shared_v4(scales + kOffsetA + r * 16, make_uint4(hi, hi, lo, 0));
+        split(ptx::ld_shared_f32(raw + kRows + r), hi, lo);
+        ptx::st_shared_v4(scales + kOffsetB + r * 16, make_uint4(hi, lo, hi, 0));
     }
+    ptx::fence_view_async_shared();
+    __syncwarp();
+}
 
-    // Before the k-block's MMAs: `rows` and `cols` the warpgroup's first row's and the tile's
-    // first column's scales.
-    __device__ __forceinline__ void load(const float* rows, const float* cols) {
-        row = ptx::ld_shared_f32(rows + threadIdx.x % 64);
-        col = ptx::ld_shared_f32(cols + threadIdx.x % 128);
-    }
+// A math warpgroup's side: the products of each k-block, issued by `issue`.
+struct Products {
+    float s[64];  // accumulator layout
 
-    // While the k-block's FP8 MMAs run: the tiles, then the products' MMA (its own batch).
-    __device__ __forceinline__ TensorCoreScales& issue() {
-        const auto split = [](float x, uint32_t& hi, uint32_t& lo) {
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
-        };
-        uint32_t r_hi, r_lo, c_hi, c_lo;
-        split(row, r_hi, r_lo);
-        split(col, c_hi, c_lo);
-        const uint32_t a = tiles + set * kBytesSet, b = a + kBytesA;
-        ptx::st_shared_v4_at(a + threadIdx.x % 64 * 16, make_uint4(r_hi, r_hi, r_lo, 0));
-        ptx::st_shared_v4_at(b + threadIdx.x % 128 * 16, make_uint4(c_hi, c_lo, c_hi, 0));
-        // (k = 4..7 from the zero tile, LBO on; 8-row core matrices 128 bytes apart)
-        const uint32_t to_zeros = kOffsetZeros - set * kBytesSet;
-        const uint64_t desc_a = warp_uniform_desc(make_unswizzled_desc(a, to_zeros, 128));
-        const uint64_t desc_b = warp_uniform_desc(make_unswizzled_desc(b, to_zeros - kBytesA, 128));
-        set ^= 1;
-        ptx::fence_view_async_shared();
-        ptx::named_barrier_sync(kBarrier + threadIdx.x / 128, 128);
+    // Once the stage has landed, before the k-block's FP8 MMAs: its products' MMA (its own batch).
+    // `scales`: the stage's kStageBytes; `zeros`: the zero tile.
+    __device__ __forceinline__ void issue(const uint8_t* scales, const uint8_t* zeros) {
+        const uint32_t a = ptx::smem_addr(scales + kOffsetA + ptx::warpgroup_idx() * 64 * 16);
+        const uint32_t b = ptx::smem_addr(scales + kOffsetB), z = ptx::smem_addr(zeros);
+        // (k = 4..7: the zero tile, the leading offset on; 8-row core matrices 128 bytes apart)
+        const uint64_t desc_a = warp_uniform_desc(make_unswizzled_desc(a, z - a, 128));
+        const uint64_t desc_b = warp_uniform_desc(make_unswizzled_desc(b, z - b, 128));
         warpgroup_arrive();
         WGMMATf32<128>::mma(desc_a, desc_b, s);
         warpgroup_commit_batch();
         warpgroup_fence_operand(s);
-        return *this;
     }
 
     // After the wait for both batches: acc += part * s (acc = part * s with kFresh).
@@ -112,6 +113,8 @@ struct TensorCoreScales {
             acc[i] = kFresh ? part[i] * s[i] : fmaf(part[i], s[i], acc[i]);
     }
 };
+
+}  // namespace tc_scales
 
 // f(std::integral_constant<uint32_t, c>) for each c of the sequence, in order.
 template <uint32_t... kCols, typename F>
