@@ -69,17 +69,24 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
 }
 
 // The converter warp's work on one landed stage (`scales`: its kStageBytes): the tiles, then a
-// fence that shows them to the tensor cores (the async proxy) before the caller's arrival.
+// fence that shows them to the tensor cores (the async proxy) before the caller's arrival. Every
+// load is issued before the first store (the stores' "memory" clobbers would otherwise wait for
+// each load in turn), so that a stage costs about one shared-memory round trip.
 __device__ __forceinline__ void convert(uint8_t* scales) {
+    constexpr uint32_t kPerLane = kRows / 32;
     const uint32_t lane = ptx::lane_idx();
     const float* raw = reinterpret_cast<const float*>(scales);
+    float rows[kPerLane], cols[kPerLane];
     #pragma unroll
-    for (uint32_t i = 0; i < kRows / 32; ++i) {  // (lanes on consecutive rows: no bank conflicts)
+    for (uint32_t i = 0; i < kPerLane; ++i)  // (lanes on consecutive rows: no bank conflicts)
+        rows[i] = ptx::ld_shared_f32(raw + lane + 32 * i), cols[i] = ptx::ld_shared_f32(raw + kRows + lane + 32 * i);
+    #pragma unroll
+    for (uint32_t i = 0; i < kPerLane; ++i) {
         const uint32_t r = lane + 32 * i;
         uint32_t hi, lo;
-        split(ptx::ld_shared_f32(raw + r), hi, lo);
+        split(rows[i], hi, lo);
         ptx::st_shared_v4(scales + kOffsetA + r * 16, make_uint4(hi, hi, lo, 0));
-        split(ptx::ld_shared_f32(raw + kRows + r), hi, lo);
+        split(cols[i], hi, lo);
         ptx::st_shared_v4(scales + kOffsetB + r * 16, make_uint4(hi, lo, hi, 0));
     }
     ptx::fence_view_async_shared();
