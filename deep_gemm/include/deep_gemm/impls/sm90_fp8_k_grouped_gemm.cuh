@@ -7,7 +7,7 @@
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
 // kernel's; the mainloop promotes every 128-token block with its row and column scales, whose
 // products the tensor cores make (mma/pipeline_fp8.cuh, tc_scales). Every operand, scales
-// included, comes by TMA from one producer thread; a second producer warp turns each stage's
+// included, comes by TMA from one producer thread; two more producer warps turn each stage's
 // scales into the products' TF32 tiles.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -67,8 +67,8 @@ struct Sm90FP8KGroupedGemm {
             for (uint32_t s = 0; s < kNumStages; ++s)
                 scales_landed(s)->init(1);  // (fenced with the others in start_gemm)
         }
-        // (full barriers: one arrival more, the converter warp's)
-        start_gemm<1, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
+        // (full barriers: two arrivals more, the converter warps')
+        start_gemm<2, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
         if (threadIdx.x == 0)
             Epilogue::prefetch(p);
 
@@ -78,13 +78,16 @@ struct Sm90FP8KGroupedGemm {
 
         if (threadIdx.x >= kNumMathThreads) {
             ptx::warpgroup_reg_dealloc<kProducerRegs>();
-            if (threadIdx.x / 32 == kNumMathThreads / 32 + 1) {  // the converter warp: every stage in the producer's order
-                for (uint32_t i = 0; i < tc_scales::kZeroBytes / 16; i += 32)  // (fenced in convert)
-                    ptx::st_shared_v4(zeros() + (i + ptx::lane_idx()) * 16, make_uint4(0, 0, 0, 0));
+            const uint32_t converter = threadIdx.x / 32 - (kNumMathThreads / 32 + 1);  // warps 1, 2: A's tiles, B's
+            if (converter < 2) {  // every stage, in the producer's order
+                if (converter == 0) {
+                    for (uint32_t i = 0; i < tc_scales::kZeroBytes / 16; i += 32)  // (fenced in convert)
+                        ptx::st_shared_v4(zeros() + (i + ptx::lane_idx()) * 16, make_uint4(0, 0, 0, 0));
+                }
                 while (scheduler.next(tile)) {
                     for (uint32_t k_block = tile.k_begin; k_block < tile.k_end; k_block += BLOCK_K_FP8) {
                         scales_landed(pipe.stage)->wait(pipe.phase);
-                        tc_scales::convert(stage_scales(pipe.stage));
+                        tc_scales::convert(stage_scales(pipe.stage), converter);
                         if (ptx::lane_idx() == 0)
                             smem.full(pipe.stage)->arrive();
                         pipe.template advance<kNumStages>();

@@ -51,8 +51,8 @@ struct RowScales {
 // (hi, lo, hi, 0)), within ~2^-21 of the fp32 product. A (128 x 8, both warpgroups' rows) and B
 // (128 x 8) are K-major tiles without swizzle in the stage, after its TMA-loaded scales: row i's
 // k = 0..3 are the 16 bytes at i * 16, its k = 4..7 come from one zero tile. The scales land on
-// a barrier of their own; a converter warp then writes the tiles and arrives on the stage's full
-// barrier, which thus completes with the operands' bytes, the producer's arrival and its own.
+// a barrier of their own; two converter warps (A's tile, B's) then write the tiles and arrive on
+// the stage's full barrier, which thus completes with the operands' bytes and three arrivals.
 namespace tc_scales {
 
 constexpr uint32_t kRows = 128;                       // the tile's rows, and its columns
@@ -68,26 +68,26 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
 }
 
-// The converter warp's work on one landed stage (`scales`: its kStageBytes): the tiles, then a
-// fence that shows them to the tensor cores (the async proxy) before the caller's arrival. Every
-// load is issued before the first store (the stores' "memory" clobbers would otherwise wait for
-// each load in turn), so that a stage costs about one shared-memory round trip.
-__device__ __forceinline__ void convert(uint8_t* scales) {
+// A converter warp's work on one landed stage (`scales`: its kStageBytes): the A tile (`part`
+// 0: the row scales) or the B tile (1: the column scales), then a fence that shows it to the
+// tensor cores (the async proxy) before the caller's arrival. Every load is issued before the
+// first store (the stores' "memory" clobbers would otherwise wait for each load in turn): the
+// tiles' latency adds to the stage's, and one converter warp doing both with its loads in turn
+// measured 1.13-1.15x main's time (docs/PERF.md, session 30).
+__device__ __forceinline__ void convert(uint8_t* scales, uint32_t part) {
     constexpr uint32_t kPerLane = kRows / 32;
     const uint32_t lane = ptx::lane_idx();
-    const float* raw = reinterpret_cast<const float*>(scales);
-    float rows[kPerLane], cols[kPerLane];
+    const float* raw = reinterpret_cast<const float*>(scales) + part * kRows;
+    uint8_t* tile = scales + (part == 0 ? kOffsetA : kOffsetB);
+    float x[kPerLane];
     #pragma unroll
     for (uint32_t i = 0; i < kPerLane; ++i)  // (lanes on consecutive rows: no bank conflicts)
-        rows[i] = ptx::ld_shared_f32(raw + lane + 32 * i), cols[i] = ptx::ld_shared_f32(raw + kRows + lane + 32 * i);
+        x[i] = ptx::ld_shared_f32(raw + lane + 32 * i);
     #pragma unroll
     for (uint32_t i = 0; i < kPerLane; ++i) {
-        const uint32_t r = lane + 32 * i;
         uint32_t hi, lo;
-        split(rows[i], hi, lo);
-        ptx::st_shared_v4(scales + kOffsetA + r * 16, make_uint4(hi, hi, lo, 0));
-        split(cols[i], hi, lo);
-        ptx::st_shared_v4(scales + kOffsetB + r * 16, make_uint4(hi, lo, hi, 0));
+        split(x[i], hi, lo);
+        ptx::st_shared_v4(tile + (lane + 32 * i) * 16, part == 0 ? make_uint4(hi, hi, lo, 0) : make_uint4(hi, lo, hi, 0));
     }
     ptx::fence_view_async_shared();
     __syncwarp();
