@@ -334,6 +334,23 @@ def test_weight_gradient_is_the_product_of_the_dequantized_columns(spec, m, n, o
 
 
 @requires_sm90
+def test_weight_gradient_scale_products_are_fp32_exact():
+    """The row x column scale products, which the tensor cores make from TF32 parts (hi + lo of
+    each scale, the lo x lo term left out: ~2^-21), are within 2e-6 of the exact ones for scales
+    over eight binades: with every e4m3 value 1, D[m, n] is 128 times the sum over the k-blocks
+    of a's scale (k-block, m) times b's (k-block, n)."""
+    m, n, rows = 256, 384, 512
+    ones = lambda width: torch.ones(width, rows, device="cuda").to(torch.float8_e4m3fn)  # noqa: E731
+    scales_a = torch.exp2(torch.rand(rows // 128, m, device="cuda") * 8 - 4)
+    scales_b = torch.exp2(torch.rand(rows // 128, n, device="cuda") * 8 - 4)
+    d = torch.full((1, m, n), float("nan"), device="cuda")
+    offsets = torch.tensor([0, rows], device="cuda", dtype=torch.int32)
+    deep_gemm.k_grouped_fp8_gemm_tn_contiguous((ones(m), scales_a), (ones(n), scales_b), d, offsets)
+    exact = 128 * (scales_a.double().T @ scales_b.double())
+    assert ((d[0].double() - exact) / exact).abs().max().item() < 2e-6
+
+
+@requires_sm90
 @pytest.mark.parametrize("out_dtype,accumulate", K_VARIANTS,
                          ids=[f"{str(t)[6:]}_{'acc' if a else 'set'}" for t, a in K_VARIANTS])
 @pytest.mark.parametrize("num_sms", [1, 3])
