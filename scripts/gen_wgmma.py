@@ -9,7 +9,7 @@ from pathlib import Path
 MMA_DIR = Path(__file__).resolve().parent.parent / "deep_gemm/include/deep_gemm/mma"
 BF16_SHAPES_N = (64, 128, 192, 256)
 FP8_SHAPES_N = (64, 128, 192)  # (256 would need 256 accumulator registers per thread twice over)
-TF32_SHAPES_N = (128,)  # the FP8 weight gradient's scale products (mma::TensorCoreScales)
+TF32_SHAPES_N = (128,)  # the FP8 weight gradient's scale products (mma::tc_scales)
 
 
 def _outputs(num_acc: int) -> str:

@@ -176,7 +176,7 @@ struct NoWork {
 // One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of kProductN columns (m64nNk32
 // MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
 // is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
-// k-block's product `cols` (RowScales, RowColumnScales); it runs while that product's MMAs are in
+// k-block's product `cols` (RowScales, tc_scales::Products); it runs while that product's MMAs are in
 // flight and may read the stage (scales in shared memory), the promotion may not: each thread
 // releases the stage once the k-block's last MMAs are done, before promoting them, so that the
 // producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
