@@ -73,7 +73,7 @@ struct GemmSmem {
 // initialises the barriers (empty ones counting `kReleasesPerCta` arrivals a CTA), and the CTA (the cluster, with kClusterSize > 1) syncs before any
 // role touches them. Each full barrier counts `kNumCopyThreads` arrivals more: producer threads
 // that also fill stages with cp.async (see produce_k_blocks), or the FP8 weight gradient's
-// converter warp (one arrival a stage).
+// converter warps (one arrival each a stage).
 template <uint32_t kNumCopyThreads, uint32_t kClusterSize = 1, uint32_t kReleasesPerCta = kNumMathThreads / 128,
           typename Smem>
 __device__ __forceinline__ void start_gemm(const Smem& smem, const CUtensorMap* tensor_map_a,

@@ -72,8 +72,7 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
 // 0: the row scales) or the B tile (1: the column scales), then a fence that shows it to the
 // tensor cores (the async proxy) before the caller's arrival. Every load is issued before the
 // first store (the stores' "memory" clobbers would otherwise wait for each load in turn): the
-// tiles' latency adds to the stage's, and one converter warp doing both with its loads in turn
-// measured 1.13-1.15x main's time (docs/PERF.md, session 30).
+// tiles' latency adds to the stage's (docs/PERF.md, "Decisions": FP8 weight gradient).
 __device__ __forceinline__ void convert(uint8_t* scales, uint32_t part) {
     constexpr uint32_t kPerLane = kRows / 32;
     const uint32_t lane = ptx::lane_idx();
