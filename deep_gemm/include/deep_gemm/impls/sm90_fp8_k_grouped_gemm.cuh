@@ -155,7 +155,7 @@ struct Sm90FP8KGroupedGemm {
                     store(done_group, done_m, done_n), pending = false;
                 consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
-                    [&](uint32_t, uint32_t, uint32_t) -> tc_scales::Products& { return scales; },
+                    tc_scales::Every{scales},
                     [&](uint32_t stage) {
                         scales.issue(stage_scales(stage), zeros());
                     },

@@ -26,7 +26,8 @@ struct PipelineState {
     }
 };
 
-// Dynamic shared memory: A stages, B stages, `kScaleBytes` a stage for A's scales (FP8 only),
+// Dynamic shared memory: A stages, B stages, `kScaleBytes` a stage for its scales (FP8 only; the
+// weight gradient's with their TF32 tiles),
 // `kExtraBytes` for the epilogue, then barriers.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kExtraBytes, uint32_t kScaleBytes = 0>
 struct GemmSmem {

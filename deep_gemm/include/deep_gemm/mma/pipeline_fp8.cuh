@@ -120,6 +120,13 @@ struct Products {
     }
 };
 
+// consume_k_blocks_fp8's `scales` for them: the one Products, whatever the k-block (a functor, not
+// a lambda, which the compiler's front end warns of as returning a reference to a local).
+struct Every {
+    Products& products;
+    __device__ __forceinline__ Products& operator()(uint32_t, uint32_t, uint32_t) const { return products; }
+};
+
 }  // namespace tc_scales
 
 // f(std::integral_constant<uint32_t, c>) for each c of the sequence, in order.
