@@ -43,50 +43,30 @@ struct WGMMA<{n}> {{
 '''
 
 
-def gen_fp8(n: int) -> str:
+def gen_ss(name: str, n: int, shape_k: int, types: str, fresh: bool = False) -> str:
+    """One MMA with both operands from shared memory. `fresh`: always d = A B (scale-d false), with
+    write-only outputs, so that d's registers are free before the MMA; else a `scale_d` argument."""
     num_acc = n // 2
     regs = ", ".join(f"%{i}" for i in range(num_acc))
     a, b, s = num_acc, num_acc + 1, num_acc + 2
+    scale_param, scale_input, scale_operand = ("", "", "0") if fresh else (
+        ", bool scale_d", ', "r"(static_cast<int>(scale_d))', f"%{s}")
+    outputs = _outputs(num_acc).replace('"+f"', '"=f"') if fresh else _outputs(num_acc)
     return f'''
 template <>
-struct WGMMAFp8<{n}> {{
+struct {name}<{n}> {{
     static constexpr uint32_t kNumAccum = {num_acc};
 
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[{num_acc}], bool scale_d) {{
+    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[{num_acc}]{scale_param}) {{
         asm volatile(
             "{{\\n"
             ".reg .pred p;\\n"
-            "setp.ne.b32 p, %{s}, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+            "setp.ne.b32 p, {scale_operand}, 0;\\n"
+            "wgmma.mma_async.sync.aligned.m64n{n}k{shape_k}.f32.{types} "
             "{{{regs}}}, %{a}, %{b}, p, 1, 1;\\n"
             "}}\\n"
-            : {_outputs(num_acc)}
-            : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(scale_d)));
-    }}
-}};
-'''
-
-
-def gen_tf32(n: int) -> str:
-    # Always fresh (scale-d false): write-only outputs, so that d's registers are free before the MMA.
-    num_acc = n // 2
-    regs = ", ".join(f"%{i}" for i in range(num_acc))
-    a, b = num_acc, num_acc + 1
-    return f'''
-template <>
-struct WGMMATf32<{n}> {{
-    static constexpr uint32_t kNumAccum = {num_acc};
-
-    __device__ __forceinline__ static void mma(uint64_t desc_a, uint64_t desc_b, float (&d)[{num_acc}]) {{
-        asm volatile(
-            "{{\\n"
-            ".reg .pred p;\\n"
-            "setp.ne.b32 p, 0, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 "
-            "{{{regs}}}, %{a}, %{b}, p, 1, 1;\\n"
-            "}}\\n"
-            : {_outputs(num_acc).replace('"+f"', '"=f"')}
-            : "l"(desc_a), "l"(desc_b));
+            : {outputs}
+            : "l"(desc_a), "l"(desc_b){scale_input});
     }}
 }};
 '''
@@ -115,11 +95,11 @@ def main() -> None:
     (MMA_DIR / "wgmma_fp8.cuh").write_text(HEADER.format(
         what="wgmma.mma_async m64nNk32, e4m3 inputs from shared memory (both K-major), fp32 accumulators in\n"
              "// registers (Hopper adds the products with reduced precision: promote every few k32 steps).",
-        name="WGMMAFp8", body="".join(gen_fp8(n) for n in FP8_SHAPES_N)))
+        name="WGMMAFp8", body="".join(gen_ss("WGMMAFp8", n, 32, "e4m3.e4m3") for n in FP8_SHAPES_N)))
     (MMA_DIR / "wgmma_tf32.cuh").write_text(HEADER.format(
         what="wgmma.mma_async m64nNk8, tf32 inputs from shared memory (both K-major), fp32 results in\n"
              "// registers, written (not added to).",
-        name="WGMMATf32", body="".join(gen_tf32(n) for n in TF32_SHAPES_N)))
+        name="WGMMATf32", body="".join(gen_ss("WGMMATf32", n, 8, "tf32.tf32", fresh=True) for n in TF32_SHAPES_N)))
 
 
 if __name__ == "__main__":

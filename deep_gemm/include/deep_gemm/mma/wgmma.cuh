@@ -19,27 +19,21 @@ enum class Major { kKMajor, kMNMajor };
 
 constexpr uint32_t kMNChunkBytes = 64 * kSwizzleBytes;  // one TMA box of 64 (MN) x 64 (K)
 
-// Builds a wgmma shared-memory descriptor (PTX ISA "matrix descriptor format") of a tile in
-// the 128-byte-swizzled layout.
-__device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t leading_byte_offset,
-                                                   uint32_t stride_byte_offset) {
-    const uint64_t addr = ptx::smem_addr(ptr);
-    uint64_t desc = 0;
-    desc |= (addr & 0x3FFFF) >> 4;                                  // start address, bits 0-13
-    desc |= static_cast<uint64_t>((leading_byte_offset & 0x3FFFF) >> 4) << 16;
-    desc |= static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
-    desc |= static_cast<uint64_t>(1) << 62;                         // 128-byte swizzle
-    return desc;
-}
-
-// The descriptor of a K-major tile without swizzle at shared-memory address `addr`: 8-row x
-// 16-byte core matrices (128 contiguous bytes each), `leading_byte_offset` apart along K and
-// `stride_byte_offset` apart along M/N (layout type 0).
+// The descriptor of a K-major tile without swizzle at shared-memory address `addr` (PTX ISA
+// "matrix descriptor format", layout type 0): 8-row x 16-byte core matrices (128 contiguous bytes
+// each), `leading_byte_offset` apart along K and `stride_byte_offset` apart along M/N.
 __device__ __forceinline__ uint64_t make_unswizzled_desc(uint32_t addr, uint32_t leading_byte_offset,
                                                          uint32_t stride_byte_offset) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |                  // start address, bits 0-13
            static_cast<uint64_t>((leading_byte_offset & 0x3FFFF) >> 4) << 16 |
            static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
+}
+
+// The descriptor of a tile in the 128-byte-swizzled layout (layout type 1), its offsets as above.
+__device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t leading_byte_offset,
+                                                   uint32_t stride_byte_offset) {
+    return make_unswizzled_desc(ptx::smem_addr(ptr), leading_byte_offset, stride_byte_offset) |
+           static_cast<uint64_t>(1) << 62;
 }
 
 // The descriptor of the same layout `bytes` (a multiple of 16) further on: shared-memory
