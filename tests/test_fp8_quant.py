@@ -83,6 +83,41 @@ def test_a_block_of_tiny_values_keeps_them():
     assert torch.allclose(reference.dequantize_rows(rows), x.float(), rtol=1 / 16, atol=0)
 
 
+def test_the_kernels_scale_division_rounds_as_ieee_for_every_significand():
+    """The kernels take amax / 448 as q = RN(amax * RN(1/448)), r = FMA(-q, 448, amax) and
+    RN(q + r * RN(1/448)) by one FMA (ptx::amax_over_e4m3_max). Emulated exactly here for every
+    float32 significand (amax in [1, 2)), it is the IEEE quotient; every step scales by a power
+    of two with amax, so it is for every amax whose quotient is a normal float. Without the
+    correction, 55% of them would be one unit off."""
+    a = torch.arange(0x3F800000, 0x40000000, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    inv = torch.tensor(1 / 448, dtype=torch.float32)
+    q = (a * inv).double()  # RN32(a * inv)
+    r = a.double() - q * 448  # exact in float64 (both terms on a 2^-27 grid)
+    assert bool((r.float().double() == r).all())  # the FMA's rounding of r changes nothing
+    # q + r * inv exactly, in integer units of 2^-59, then rounded to float32's grid (2^-32 below
+    # 2^-8, 2^-31 from there), ties to even
+    units = lambda x, e: (x * 2.0**e).long()  # noqa: E731  (exact: x is on the 2^-e grid)
+    exact = units(q, 33) * 2**26 + units(r, 27) * int(inv.item() * 2.0**32)
+    grid = torch.where(exact >= 2**51, 2**28, 2**27)
+    below = torch.div(exact, grid, rounding_mode="floor")
+    twice_rest = 2 * (exact - below * grid)
+    up = (twice_rest > grid) | ((twice_rest == grid) & (below % 2 == 1))
+    ieee = (a / torch.tensor(448.0)).double()
+    assert torch.equal((below + up.long()) * grid, units(ieee, 59))
+    assert int((units(q, 59) != units(ieee, 59)).sum()) > 2**22
+
+
+@requires_sm90
+def test_scales_of_every_bf16_amax_are_the_ieee_quotients():
+    """A 1 x 128 block for each positive bf16 value (subnormals, +inf) as its amax: the kernel's
+    scale is the reference's, amax / 448 by IEEE division, at least 2^-126."""
+    amax = torch.arange(1, 0x7F81, dtype=torch.int16).view(torch.bfloat16)  # (0x7F80: +inf)
+    x = torch.zeros(len(amax), 128, dtype=torch.bfloat16)
+    x[:, 5] = amax
+    rows = fp8_quantize_rows(x.cuda())
+    assert same_bits(rows.scales[:, 0], reference.scale_of(amax.float(), power_of_two=False))
+
+
 def test_rows_scales_are_padded_to_a_multiple_of_four_rows():
     rows = fp8_quantize_rows(_activations(5, 256))
     assert rows.scales.shape == (5, 2) and rows.scales.stride() == (1, 8)

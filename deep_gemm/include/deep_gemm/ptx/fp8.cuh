@@ -40,10 +40,22 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& packed, float (&out)[
 // The smallest normal fp32: a subnormal scale's reciprocal would be inf (0 * inf = NaN).
 constexpr float kMinScale = 1.17549435e-38f;
 
-// The scale that maps `amax` onto e4m3's largest value, at least kMinScale; 1 for an all-zero block.
+// amax / kE4M3Max, rounded as the IEEE division rounds for every finite amax whose quotient is a
+// normal float: the product with RN(1 / 448) and one FMA correction, a few instructions where the
+// division takes a range check and a slow path (tests/test_fp8_quant.py checks every significand).
+__device__ __forceinline__ float amax_over_e4m3_max(float amax) {
+    constexpr float kInv = 1.0f / kE4M3Max;
+    const float q = __fmul_rn(amax, kInv);
+    return __fmaf_rn(__fmaf_rn(-q, kE4M3Max, amax), kInv, q);
+}
+
+// The scale that maps `amax` onto e4m3's largest value, at least kMinScale; 1 for an all-zero block
+// (and a NaN amax), infinite for an infinite one, as the IEEE division gives it.
 struct Fp32Scale {
     __device__ __forceinline__ static float of(float amax) {
-        return amax > 0.0f ? fmaxf(amax / kE4M3Max, kMinScale) : 1.0f;
+        if (not(amax > 0.0f))
+            return 1.0f;
+        return amax < INFINITY ? fmaxf(amax_over_e4m3_max(amax), kMinScale) : amax;
     }
 };
 
