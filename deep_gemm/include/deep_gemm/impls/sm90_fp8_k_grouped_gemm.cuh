@@ -39,6 +39,8 @@ struct Sm90FP8KGroupedGemm {
     static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes;
     static constexpr uint32_t kRawScaleBytes = mma::tc_scales::kRawBytes;
     static constexpr uint32_t kExtraBytes = 2 * Epilogue::kStagingBytes + mma::tc_scales::kExtraBytes;
+    static_assert((2 * Epilogue::kStagingBytes + mma::tc_scales::kOffsetRaw) % 128 == 0,
+                  "the scales' ring slots are TMA destinations");
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, kExtraBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
