@@ -7,8 +7,9 @@
 // k-grouped Epilogue policy says (epilogue/k_grouped.cuh). Scheduler and epilogue are the bf16
 // kernel's; the mainloop promotes every 128-token block with its row and column scales, whose
 // products the tensor cores make (mma/pipeline_fp8.cuh, tc_scales). Every operand, scales
-// included, comes by TMA from one producer thread; two more producer warps turn each stage's
-// scales into the products' TF32 tiles.
+// included, comes by TMA: A and B from one producer thread into the stages, the scales from another
+// into a ring of their own ahead of them; two more producer warps turn each k-block's scales into
+// the products' TF32 tiles in its stage.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include "../epilogue/k_grouped.cuh"
@@ -32,13 +33,14 @@ struct alignas(128) KGroupedFp8GemmParams {
 template <uint32_t BLOCK_N, uint32_t kNumStages, typename Epilogue>
 struct Sm90FP8KGroupedGemm {
     static constexpr uint32_t BLOCK_M = 128;
-    static_assert(BLOCK_M == mma::tc_scales::kRows and BLOCK_N == mma::tc_scales::kRows and
-                  kNumStages <= mma::tc_scales::kMaxStages);
-    // A stage's A row scales, then B's, then their TF32 tiles; after the two warpgroups' staging,
-    // the zero tile and the stages' scale barriers
+    static_assert(BLOCK_M == mma::tc_scales::kRows and BLOCK_N == mma::tc_scales::kRows);
+    // A stage's TF32 tiles of its scales; after the two warpgroups' staging, the zero tile and the
+    // scales' ring (mma::tc_scales)
     static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes;
-    static constexpr uint32_t kRawScaleBytes = (BLOCK_M + BLOCK_N) * sizeof(float);  // (what TMA brings)
+    static constexpr uint32_t kRawScaleBytes = mma::tc_scales::kRawBytes;
     static constexpr uint32_t kExtraBytes = 2 * Epilogue::kStagingBytes + mma::tc_scales::kExtraBytes;
+    static_assert((2 * Epilogue::kStagingBytes + mma::tc_scales::kOffsetRaw) % 128 == 0,
+                  "the scales' ring slots are TMA destinations");
     using Smem = mma::GemmSmem<BLOCK_M, BLOCK_N, kNumStages, kExtraBytes, kScaleBytes>;
     static constexpr uint32_t kNumThreads = mma::kNumThreads;
     static constexpr uint32_t kSmemBytes = Smem::kTotalBytes;
@@ -57,15 +59,17 @@ struct Sm90FP8KGroupedGemm {
         using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
         extern __shared__ __align__(1024) uint8_t smem_buffer[];
         const Smem smem{smem_buffer};
-        // (the zero tile and the scale barriers: functions, so that no address stays live across roles)
+        // (the zero tile and the ring: functions, so that no address stays live across roles)
         const auto zeros = [&] { return smem.extra() + 2 * Epilogue::kStagingBytes; };
-        const auto scales_landed = [&](uint32_t stage) {  // a stage's scale loads (the producer's arrival)
-            return reinterpret_cast<ptx::MBarrier*>(zeros() + tc_scales::kZeroBytes) + stage;
+        const auto raw = [&](uint32_t slot) { return zeros() + tc_scales::kOffsetRaw + slot * kRawScaleBytes; };
+        const auto raw_full = [&](uint32_t slot) {  // a slot's scales landed (the scale producer's arrival)
+            return reinterpret_cast<ptx::MBarrier*>(zeros() + tc_scales::kOffsetRawBarriers) + slot;
         };
-        const auto stage_scales = [&](uint32_t stage) { return reinterpret_cast<uint8_t*>(smem.scales(stage)); };
+        const auto raw_empty = [&](uint32_t slot) { return raw_full(tc_scales::kRawSlots + slot); };  // both converters read it
+        const auto stage_tiles = [&](uint32_t stage) { return reinterpret_cast<uint8_t*>(smem.scales(stage)); };
         if (threadIdx.x == 0) {
-            for (uint32_t s = 0; s < kNumStages; ++s)
-                scales_landed(s)->init(1);  // (fenced with the others in start_gemm)
+            for (uint32_t s = 0; s < tc_scales::kRawSlots; ++s)
+                raw_full(s)->init(1), raw_empty(s)->init(2);  // (fenced with the others in start_gemm)
         }
         // (full barriers: two arrivals more, the converter warps')
         start_gemm<2, 1, kFp8ReleasesPerCta>(smem, &p.tensor_map_a, &p.tensor_map_b);
@@ -78,38 +82,55 @@ struct Sm90FP8KGroupedGemm {
 
         if (threadIdx.x >= kNumMathThreads) {
             ptx::warpgroup_reg_dealloc<kProducerRegs>();
-            const uint32_t converter = threadIdx.x / 32 - (kNumMathThreads / 32 + 1);  // warps 1, 2: A's tiles, B's
-            if (converter < 2) {  // every stage, in the producer's order
+            // Warp 0: A and B; warps 1 and 2: the converters (A's tiles, B's); warp 3: the scales.
+            // Each walks every k-block in the same order.
+            const uint32_t role = threadIdx.x / 32 - kNumMathThreads / 32;
+            PipelineState ring;  // the scales' ring slot
+            if (role == 1 or role == 2) {
+                const uint32_t converter = role - 1;
                 if (converter == 0) {
                     for (uint32_t i = 0; i < tc_scales::kZeroBytes / 16; i += 32)  // (fenced in convert)
                         ptx::st_shared_v4(zeros() + (i + ptx::lane_idx()) * 16, make_uint4(0, 0, 0, 0));
                 }
                 while (scheduler.next(tile)) {
-                    for (uint32_t k_block = tile.k_begin; k_block < tile.k_end; k_block += BLOCK_K_FP8) {
-                        scales_landed(pipe.stage)->wait(pipe.phase);
-                        tc_scales::convert(stage_scales(pipe.stage), converter);
+                    for (uint32_t k = tile.k_begin; k < tile.k_end; k += BLOCK_K_FP8) {
+                        raw_full(ring.stage)->wait(ring.phase);
+                        smem.empty(pipe.stage)->wait(pipe.phase ^ 1);  // the stage's last tiles read
+                        tc_scales::convert(raw(ring.stage), stage_tiles(pipe.stage), converter);
                         if (ptx::lane_idx() == 0)
-                            smem.full(pipe.stage)->arrive();
+                            smem.full(pipe.stage)->arrive(), raw_empty(ring.stage)->arrive();
                         pipe.template advance<kNumStages>();
+                        ring.template advance<tc_scales::kRawSlots>();
+                    }
+                }
+                return;
+            }
+            if (role == 3) {
+                if (ptx::lane_idx() != 0)
+                    return;
+                ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
+                ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
+                while (scheduler.next(tile)) {
+                    for (uint32_t k = tile.k_begin; k < tile.k_end; k += BLOCK_K_FP8) {
+                        raw_empty(ring.stage)->wait(ring.phase ^ 1);
+                        ptx::MBarrier* bar = raw_full(ring.stage);
+                        bar->arrive_and_expect_tx(kRawScaleBytes);
+                        float* slot = reinterpret_cast<float*>(raw(ring.stage));
+                        ptx::tma_load_2d(slot, &p.tensor_map_scales_a, bar, tile.m_begin, k / BLOCK_K_FP8);
+                        ptx::tma_load_2d(slot + BLOCK_M, &p.tensor_map_scales_b, bar, tile.n_begin, k / BLOCK_K_FP8);
+                        ring.template advance<tc_scales::kRawSlots>();
                     }
                 }
                 return;
             }
             if (threadIdx.x != kNumMathThreads)
                 return;
-            ptx::prefetch_tma_descriptor(&p.tensor_map_scales_a);
-            ptx::prefetch_tma_descriptor(&p.tensor_map_scales_b);
             while (scheduler.next(tile)) {
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
                 produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
-                    ptx::MBarrier* scales_bar = scales_landed(stage);
-                    scales_bar->arrive_and_expect_tx(kRawScaleBytes);
-                    ptx::tma_load_2d(smem.scales(stage), &p.tensor_map_scales_a, scales_bar, tile.m_begin, k / BLOCK_K_FP8);
-                    ptx::tma_load_2d(smem.scales(stage) + BLOCK_M, &p.tensor_map_scales_b, scales_bar, tile.n_begin,
-                                     k / BLOCK_K_FP8);
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
                 });
@@ -157,7 +178,7 @@ struct Sm90FP8KGroupedGemm {
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     tc_scales::Every{scales},
                     [&](uint32_t stage) {
-                        scales.issue(stage_scales(stage), zeros());
+                        scales.issue(stage_tiles(stage), zeros());
                     },
                     [&] {
                         more = scheduler.next(upcoming);

@@ -49,35 +49,39 @@ struct RowScales {
 // Each fp32 scale x is split into TF32 parts hi = rna(x) and lo = rna(x - hi); the MMA sums
 // hi_r hi_c + hi_r lo_c + lo_r hi_c over k = 0..2 (A's row r: (hi, hi, lo, 0); B's column c:
 // (hi, lo, hi, 0)), within ~2^-21 of the fp32 product. A (128 x 8, both warpgroups' rows) and B
-// (128 x 8) are K-major tiles without swizzle in the stage, after its TMA-loaded scales: row i's
-// k = 0..3 are the 16 bytes at i * 16, its k = 4..7 come from one zero tile. The scales land on
-// a barrier of their own; two converter warps (A's tile, B's) then write the tiles and arrive on
-// the stage's full barrier, which thus completes with the operands' bytes and three arrivals.
+// (128 x 8) are K-major tiles without swizzle in the stage: row i's k = 0..3 are the 16 bytes at
+// i * 16, its k = 4..7 come from one zero tile. The scales come by TMA into a ring of their own,
+// kRawSlots k-blocks deep, ahead of the stages; two converter warps (A's tile, B's) write a
+// stage's tiles as soon as the stage's previous MMAs are done, while its operands' loads are in
+// flight, and arrive on its full barrier, which thus completes with the operands' bytes and three
+// arrivals.
 namespace tc_scales {
 
-constexpr uint32_t kRows = 128;                       // the tile's rows, and its columns
-constexpr uint32_t kOffsetA = 2 * kRows * sizeof(float);  // after the stage's row, then column scales
-constexpr uint32_t kOffsetB = kOffsetA + kRows * 16;
-constexpr uint32_t kStageBytes = kOffsetB + kRows * 16;  // a stage's scales and tiles
-constexpr uint32_t kMaxStages = 8;
-// Outside the stages: the zero tile, then a barrier a stage for its scales' TMA loads.
-constexpr uint32_t kZeroBytes = kRows * 16, kExtraBytes = kZeroBytes + kMaxStages * sizeof(uint64_t);
+constexpr uint32_t kRows = 128;  // the tile's rows, and its columns
+constexpr uint32_t kOffsetA = 0, kOffsetB = kRows * 16;
+constexpr uint32_t kStageBytes = kOffsetB + kRows * 16;  // a stage's tiles
+// Outside the stages: the zero tile, the scales' ring (a slot: a k-block's 128 row scales, then
+// its 128 column scales), then its full and empty barriers.
+constexpr uint32_t kRawSlots = 8, kRawBytes = 2 * kRows * sizeof(float);
+constexpr uint32_t kZeroBytes = kRows * 16, kOffsetRaw = kZeroBytes, kOffsetRawBarriers = kOffsetRaw + kRawSlots * kRawBytes;
+constexpr uint32_t kExtraBytes = kOffsetRawBarriers + 2 * kRawSlots * sizeof(uint64_t);
 
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
 }
 
-// A converter warp's work on one landed stage (`scales`: its kStageBytes): the A tile (`part`
-// 0: the row scales) or the B tile (1: the column scales), then a fence that shows it to the
-// tensor cores (the async proxy) before the caller's arrival. Every load is issued before the
-// first store (the stores' "memory" clobbers would otherwise wait for each load in turn): the
-// tiles' latency adds to the stage's (docs/PERF.md, "Decisions": FP8 weight gradient).
-__device__ __forceinline__ void convert(uint8_t* scales, uint32_t part) {
+// A converter warp's work on one k-block, from its ring slot `raw` into its stage's `tiles`
+// (kStageBytes): the A tile (`part` 0: the row scales) or the B tile (1: the column scales), then
+// a fence that shows it to the tensor cores (the async proxy) before the caller's arrival. Every
+// load is issued before the first store (the stores' "memory" clobbers would otherwise wait for
+// each load in turn): the tiles' latency adds to the stage's (docs/PERF.md, "Decisions": FP8
+// weight gradient).
+__device__ __forceinline__ void convert(const uint8_t* raw_slot, uint8_t* tiles, uint32_t part) {
     constexpr uint32_t kPerLane = kRows / 32;
     const uint32_t lane = ptx::lane_idx();
-    const float* raw = reinterpret_cast<const float*>(scales) + part * kRows;
-    uint8_t* tile = scales + (part == 0 ? kOffsetA : kOffsetB);
+    const float* raw = reinterpret_cast<const float*>(raw_slot) + part * kRows;
+    uint8_t* tile = tiles + (part == 0 ? kOffsetA : kOffsetB);
     float x[kPerLane];
     #pragma unroll
     for (uint32_t i = 0; i < kPerLane; ++i)  // (lanes on consecutive rows: no bank conflicts)
@@ -97,10 +101,10 @@ struct Products {
     float s[64];  // accumulator layout
 
     // Once the stage has landed, before the k-block's FP8 MMAs: its products' MMA (its own batch).
-    // `scales`: the stage's kStageBytes; `zeros`: the zero tile.
-    __device__ __forceinline__ void issue(const uint8_t* scales, const uint8_t* zeros) {
-        const uint32_t a = ptx::smem_addr(scales + kOffsetA + ptx::warpgroup_idx() * 64 * 16);
-        const uint32_t b = ptx::smem_addr(scales + kOffsetB), z = ptx::smem_addr(zeros);
+    // `tiles`: the stage's kStageBytes; `zeros`: the zero tile.
+    __device__ __forceinline__ void issue(const uint8_t* tiles, const uint8_t* zeros) {
+        const uint32_t a = ptx::smem_addr(tiles + kOffsetA + ptx::warpgroup_idx() * 64 * 16);
+        const uint32_t b = ptx::smem_addr(tiles + kOffsetB), z = ptx::smem_addr(zeros);
         // (k = 4..7: the zero tile, the leading offset on; 8-row core matrices 128 bytes apart)
         const uint64_t desc_a = warp_uniform_desc(make_unswizzled_desc(a, z - a, 128));
         const uint64_t desc_b = warp_uniform_desc(make_unswizzled_desc(b, z - b, 128));
