@@ -118,6 +118,35 @@ def test_scales_of_every_bf16_amax_are_the_ieee_quotients():
     assert same_bits(rows.scales[:, 0], reference.scale_of(amax.float(), power_of_two=False))
 
 
+def _blocks_of_every_bf16_amax() -> torch.Tensor:
+    """[32639, 128] bf16: row i's largest magnitude is the (i + 1)-th positive finite bf16 value
+    (subnormals first), beside that value times fractions of both signs down to a 64th."""
+    amax = torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16).float()
+    fractions = torch.cat([torch.linspace(-1.0, 1.0, 64), 1.0 / torch.arange(1, 65)])
+    return (amax[:, None] * fractions[None, :]).to(torch.bfloat16)
+
+
+@requires_sm90
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_every_bf16_amax_quantizes_its_block_as_the_reference(power_of_two):
+    """Every scale a bf16 block can have, and its reciprocal, give the reference's e4m3 bytes: in
+    1 x 128 rows, in 128 x 1 columns and in 128 x 128 weight blocks."""
+    x = _blocks_of_every_bf16_amax()
+    _assert_rows_equal(fp8_quantize_rows(x.cuda(), power_of_two_scales=power_of_two),
+                       reference.fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two))
+    xt = torch.cat([x, torch.zeros(1, 128, dtype=x.dtype)]).t().contiguous()  # [128, 32640]: a column a row of x
+    offsets = torch.tensor([0, 128], dtype=torch.int32)
+    _, cols = fp8_quantize_columns(xt.cuda(), offsets.cuda(), power_of_two_scales=power_of_two)
+    _, ref = reference.fp8_quantize_columns_torch(xt, offsets, power_of_two_scales=power_of_two)
+    assert same_written_columns(cols, ref)
+    blocks = x[::128]  # 255 of the amaxes, one 128 x 128 block each: its rows all this row of x
+    w = blocks.reshape(1, 1, -1).expand(1, 128, -1).contiguous()
+    ours, ref_w = (fp8_quantize_weights(w.cuda(), power_of_two_scales=power_of_two),
+                   reference.fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two))
+    assert same_bits(ours.scales, ref_w.scales) and same_bits(ours.data, ref_w.data)
+    assert same_bits(ours.data_t, ref_w.data_t)
+
+
 def test_rows_scales_are_padded_to_a_multiple_of_four_rows():
     rows = fp8_quantize_rows(_activations(5, 256))
     assert rows.scales.shape == (5, 2) and rows.scales.stride() == (1, 8)

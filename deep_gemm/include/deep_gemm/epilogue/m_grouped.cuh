@@ -208,7 +208,7 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
             #pragma unroll
             for (uint32_t lanes = 1; lanes < 4; lanes *= 2)  // the quad holding the row
                 amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], lanes));
-            scale[half] = ScaleRule::of(amax[half]), inv[half] = __frcp_rn(scale[half]);
+            scale[half] = ScaleRule::of(amax[half]), inv[half] = ptx::reciprocal_of_scale(scale[half]);
         }
 
         // Scales are a 32nd of the e4m3 bytes: direct stores, 8 lanes' rows (32 bytes) at a time.

@@ -185,18 +185,14 @@ struct Fp8QuantizeWeights {
             TileRegs regs;
             regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
             regs.to_smem(smem.tile);
-            float amax = 0.0f;
-            #pragma unroll
-            for (uint32_t i = 0; i < kNumPasses; ++i)
-                amax = fmaxf(amax, regs.row_amax(i));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 16));
+            float amax = regs.warp_amax();
             if (threadIdx.x % 32 == 0)
                 smem.warp_amax[threadIdx.x / 32] = amax;
             __syncthreads();
             #pragma unroll
             for (uint32_t w = 0; w < kNumThreads / 32; ++w)
                 amax = fmaxf(amax, smem.warp_amax[w]);
-            const float scale = ScaleRule::of(amax), inv = __frcp_rn(scale);
+            const float scale = ScaleRule::of(amax), inv = ptx::reciprocal_of_scale(scale);
 
             #pragma unroll
             for (uint32_t i = 0; i < kNumPasses; ++i)

@@ -53,9 +53,8 @@ __device__ __forceinline__ float amax_over_e4m3_max(float amax) {
 // (and a NaN amax), infinite for an infinite one, as the IEEE division gives it.
 struct Fp32Scale {
     __device__ __forceinline__ static float of(float amax) {
-        if (not(amax > 0.0f))
-            return 1.0f;
-        return amax < INFINITY ? fmaxf(amax_over_e4m3_max(amax), kMinScale) : amax;
+        const float scale = fmaxf(amax_over_e4m3_max(amax), kMinScale);  // (selects, not branches)
+        return amax > 0.0f ? (amax < INFINITY ? scale : amax) : 1.0f;
     }
 };
 
@@ -66,5 +65,17 @@ struct Pow2Scale {
         return __uint_as_float((bits + 0x7FFFFFu) & 0xFF800000u);
     }
 };
+
+// 1 / scale rounded once, as the IEEE reciprocal (`__frcp_rn`) rounds it, for a scale of the rules
+// above (a normal float below 2^126, or inf): the approximate reciprocal and one Newton step, which
+// is the IEEE reciprocal's own path for that range, without its range check and slow-path call;
+// 0 for an infinite scale (tests/test_fp8_quant.py checks every scale a bf16 amax gives).
+__device__ __forceinline__ float reciprocal_of_scale(float scale) {
+    float approx;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(approx) : "f"(scale));
+    const float residual = __fmaf_rn(approx, scale, -1.0f);
+    const float inv = __fmaf_rn(approx, -residual, approx);
+    return scale < INFINITY ? inv : 0.0f;
+}
 
 }  // namespace deep_gemm::ptx

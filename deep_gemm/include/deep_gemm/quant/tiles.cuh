@@ -22,18 +22,23 @@ constexpr uint32_t kRowsPerPass = kNumThreads / 16;  // 16 threads hold one 128-
 constexpr uint32_t kNumPasses = kTile / kRowsPerPass;
 constexpr uint32_t kMaxGroups = 1024;
 
-// The amax of a row over its 128 columns, from each of its 16 threads' piece of 8 values
-// (16 bytes of bf16): the 16 threads agree.
-__device__ __forceinline__ float row_amax(const uint4& piece) {
-    float x[ptx::kBF16PerVec], amax = 0.0f;
-    ptx::bf16x8_to_float(piece, x);
-    #pragma unroll
-    for (uint32_t j = 0; j < ptx::kBF16PerVec; ++j)
-        amax = fmaxf(amax, fabsf(x[j]));
+// The largest magnitude of a piece's eight bf16 values, in bf16 pairs: (over the even elements,
+// over the odd). Exact (the values are bf16); a NaN is passed over, as fmaxf passes it.
+__device__ __forceinline__ __nv_bfloat162 piece_amax2(const uint4& piece) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&piece);
+    return __hmax2(__hmax2(__habs2(pairs[0]), __habs2(pairs[1])), __hmax2(__habs2(pairs[2]), __habs2(pairs[3])));
+}
+
+// The amax of two rows over their 128 columns, each from its 16 threads' pieces of 8 values (16
+// bytes of bf16): (row of `a`, row of `b`), in one shuffle chain for both. The 16 threads agree;
+// an all-NaN or all-zero row gives 0, as fmaxf from 0 does.
+__device__ __forceinline__ float2 row_amax2(const uint4& a, const uint4& b) {
+    const __nv_bfloat162 ma = piece_amax2(a), mb = piece_amax2(b);
+    __nv_bfloat162 amax = __hmax2(__lows2bfloat162(ma, mb), __highs2bfloat162(ma, mb));
     #pragma unroll
     for (uint32_t lanes = 8; lanes > 0; lanes /= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
-    return amax;
+        amax = __hmax2(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
+    return __bfloat1622float2(__hmax2(amax, __float2bfloat162_rn(0.0f)));
 }
 
 // A piece's eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
@@ -79,8 +84,18 @@ struct TileRegs {
         ptx::cp_async_16(smem + smem_offset(i), src + (valid ? row(i) : 0) * ld + col(), valid);
     }
 
-    // amax of row(i) over the tile's 128 columns (the 16 threads holding the row agree).
-    __device__ __forceinline__ float row_amax(uint32_t i) const { return fp8_quantize::row_amax(raw[i]); }
+    // The amax of the warp's share of the tile (its 32 lanes' pieces of every pass); the lanes agree.
+    __device__ __forceinline__ float warp_amax() const {
+        __nv_bfloat162 amax = piece_amax2(raw[0]);
+        #pragma unroll
+        for (uint32_t i = 1; i < kNumPasses; ++i)
+            amax = __hmax2(amax, piece_amax2(raw[i]));
+        amax = __hmax2(amax, __lowhigh2highlow(amax));
+        #pragma unroll
+        for (uint32_t lanes = 16; lanes > 0; lanes /= 2)
+            amax = __hmax2(amax, __shfl_xor_sync(0xffffffff, amax, lanes));
+        return __low2float(__hmax2(amax, __float2bfloat162_rn(0.0f)));
+    }
 
     // Row(i)'s eight values times `inv` (1 / scale) as e4m3, to `dst` (8 bytes).
     __device__ __forceinline__ void store_fp8(uint32_t i, float inv, uint8_t* dst) const {
@@ -171,16 +186,22 @@ private:
 };
 
 
-// Row r's piece (of TileRegs' layout) quantized per 1 x 128, if r < num_rows: to q + r * ld, the
-// row's scale to scales[r]. Every lane of the warp calls it (the row amax is a full-warp shuffle).
+// Two row pieces (of TileRegs' layout) quantized per 1 x 128, their amax in one shuffle chain:
+// piece j, of row rows[j], if rows[j] < num_rows, to q[j] + rows[j] * ld, its scale to
+// scales[j][rows[j]]. Every lane of the warp calls it (the row amax is a full-warp shuffle).
 template <typename ScaleRule>
-__device__ __forceinline__ void store_row_fp8(const uint4& piece, uint32_t r, uint32_t num_rows, uint8_t* q,
-                                              uint64_t ld, float* scales) {
-    const float scale = ScaleRule::of(row_amax(piece));
-    if (r < num_rows) {
-        store_piece_fp8(piece, __frcp_rn(scale), q + r * ld + TileRegs::col());
-        if (threadIdx.x % 16 == 0)
-            scales[r] = scale;
+__device__ __forceinline__ void store_row_pair_fp8(const uint4 (&pieces)[2], const uint32_t (&rows)[2],
+                                                   uint32_t num_rows, uint8_t* const (&q)[2], uint64_t ld,
+                                                   float* const (&scales)[2]) {
+    const float2 amax = row_amax2(pieces[0], pieces[1]);
+    const float scale[2] = {ScaleRule::of(amax.x), ScaleRule::of(amax.y)};
+    #pragma unroll
+    for (uint32_t j = 0; j < 2; ++j) {
+        if (rows[j] < num_rows) {
+            store_piece_fp8(pieces[j], ptx::reciprocal_of_scale(scale[j]), q[j] + rows[j] * ld + TileRegs::col());
+            if (threadIdx.x % 16 == 0)
+                scales[j][rows[j]] = scale[j];
+        }
     }
 }
 
@@ -189,9 +210,11 @@ __device__ __forceinline__ void store_row_fp8(const uint4& piece, uint32_t r, ui
 template <typename ScaleRule>
 __device__ __forceinline__ void store_rows_fp8(const TileRegs& regs, uint32_t num_rows, uint8_t* q, uint64_t ld,
                                                float* scales) {
+    static_assert(kNumPasses % 2 == 0, "passes go in pairs");
     #pragma unroll
-    for (uint32_t i = 0; i < kNumPasses; ++i)
-        store_row_fp8<ScaleRule>(regs.raw[i], TileRegs::row(i), num_rows, q, ld, scales);
+    for (uint32_t i = 0; i < kNumPasses; i += 2)
+        store_row_pair_fp8<ScaleRule>({regs.raw[i], regs.raw[i + 1]}, {TileRegs::row(i), TileRegs::row(i + 1)},
+                                      num_rows, {q, q}, ld, {scales, scales});
 }
 
 // Shared memory of the column quantization: the tile, and each quarter's column amax.
@@ -220,8 +243,8 @@ __device__ __forceinline__ void stage_columns_with_amax(const ColumnSmem& smem, 
         amax[0] = fmaxf(amax[0], smem.col_amax[j][ColumnPair::col()]),
         amax[1] = fmaxf(amax[1], smem.col_amax[j][ColumnPair::col() + 1]);
     const float scale[2] = {ScaleRule::of(amax[0]), ScaleRule::of(amax[1])};
-    cols.stage_fp8(0, __frcp_rn(scale[0]), stage);
-    cols.stage_fp8(1, __frcp_rn(scale[1]), stage);
+    cols.stage_fp8(0, ptx::reciprocal_of_scale(scale[0]), stage);
+    cols.stage_fp8(1, ptx::reciprocal_of_scale(scale[1]), stage);
     if (threadIdx.x / 64 == 0)
         *reinterpret_cast<float2*>(scales + ColumnPair::col()) = make_float2(scale[0], scale[1]);
 }
