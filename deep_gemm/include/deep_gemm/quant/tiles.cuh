@@ -186,9 +186,20 @@ private:
 };
 
 
-// Two row pieces (of TileRegs' layout) quantized per 1 x 128, their amax in one shuffle chain:
-// piece j, of row rows[j], if rows[j] < num_rows, to q[j] + rows[j] * ld, its scale to
-// scales[j][rows[j]]. Every lane of the warp calls it (the row amax is a full-warp shuffle).
+// Row r's piece (of TileRegs' layout), if r < num_rows, times `inv` (1 / scale) as e4m3 to
+// q + r * ld, the scale to scales[r].
+__device__ __forceinline__ void store_scaled_row_fp8(const uint4& piece, float scale, float inv, uint32_t r,
+                                                     uint32_t num_rows, uint8_t* q, uint64_t ld, float* scales) {
+    if (r < num_rows) {
+        store_piece_fp8(piece, inv, q + r * ld + TileRegs::col());
+        if (threadIdx.x % 16 == 0)
+            scales[r] = scale;
+    }
+}
+
+// Two row pieces quantized per 1 x 128, their amax in one shuffle chain: piece j of row rows[j] to
+// q[j], its scale to scales[j] (store_scaled_row_fp8). Every lane of the warp calls it (the row
+// amax is a full-warp shuffle).
 template <typename ScaleRule>
 __device__ __forceinline__ void store_row_pair_fp8(const uint4 (&pieces)[2], const uint32_t (&rows)[2],
                                                    uint32_t num_rows, uint8_t* const (&q)[2], uint64_t ld,
@@ -196,25 +207,29 @@ __device__ __forceinline__ void store_row_pair_fp8(const uint4 (&pieces)[2], con
     const float2 amax = row_amax2(pieces[0], pieces[1]);
     const float scale[2] = {ScaleRule::of(amax.x), ScaleRule::of(amax.y)};
     #pragma unroll
-    for (uint32_t j = 0; j < 2; ++j) {
-        if (rows[j] < num_rows) {
-            store_piece_fp8(pieces[j], ptx::reciprocal_of_scale(scale[j]), q[j] + rows[j] * ld + TileRegs::col());
-            if (threadIdx.x % 16 == 0)
-                scales[j][rows[j]] = scale[j];
-        }
-    }
+    for (uint32_t j = 0; j < 2; ++j)
+        store_scaled_row_fp8(pieces[j], scale[j], ptx::reciprocal_of_scale(scale[j]), rows[j], num_rows, q[j], ld,
+                             scales[j]);
 }
 
-// Rows r < num_rows of the tile quantized per 1 x 128: row r to q + r * ld (128 bytes), its scale
-// to scales[r]. Every thread of the CTA calls it.
+// Rows r < num_rows of the tile quantized per 1 x 128 (two rows a shuffle chain): row r to q + r * ld
+// (128 bytes), its scale to scales[r]. The reciprocal is `__frcp_rn` (the same bits as
+// reciprocal_of_scale): with the short form, ptxas under the activations' kernel's 64 registers
+// loads its gathered rows' indices one after another, slower (docs/PERF.md, "Decisions": FP8
+// quantization grids). Every thread of the CTA calls it.
 template <typename ScaleRule>
 __device__ __forceinline__ void store_rows_fp8(const TileRegs& regs, uint32_t num_rows, uint8_t* q, uint64_t ld,
                                                float* scales) {
     static_assert(kNumPasses % 2 == 0, "passes go in pairs");
     #pragma unroll
-    for (uint32_t i = 0; i < kNumPasses; i += 2)
-        store_row_pair_fp8<ScaleRule>({regs.raw[i], regs.raw[i + 1]}, {TileRegs::row(i), TileRegs::row(i + 1)},
-                                      num_rows, {q, q}, ld, {scales, scales});
+    for (uint32_t i = 0; i < kNumPasses; i += 2) {
+        const float2 amax = row_amax2(regs.raw[i], regs.raw[i + 1]);
+        const float scale[2] = {ScaleRule::of(amax.x), ScaleRule::of(amax.y)};
+        #pragma unroll
+        for (uint32_t j = 0; j < 2; ++j)
+            store_scaled_row_fp8(regs.raw[i + j], scale[j], __frcp_rn(scale[j]), TileRegs::row(i + j), num_rows, q, ld,
+                                 scales);
+    }
 }
 
 // Shared memory of the column quantization: the tile, and each quarter's column amax.
