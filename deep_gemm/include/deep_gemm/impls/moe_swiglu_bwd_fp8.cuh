@@ -108,8 +108,9 @@ struct MoESwiGLUBwdFp8 {
                     piece[1] = ptx::float_to_bf16x8(u);
                     piece[2] = ptx::float_to_bf16x8(da);
                     const uint32_t r = TileRegs::row(i);
+                    float* up_row_scales = dz_row_scales + static_cast<uint64_t>(num_k_blocks) * p.scales_ld;
                     store_row_pair_fp8<ScaleRule>({piece[0], piece[1]}, {r, r}, num_rows, {dz_rows, dz_rows + p.inter},
-                                                  h_ld, {dz_row_scales, dz_row_scales + static_cast<uint64_t>(num_k_blocks) * p.scales_ld});
+                                                  h_ld, {dz_row_scales, up_row_scales});
                     #pragma unroll
                     for (uint32_t t = 0; t < 3; ++t)
                         ptx::st_shared_v4(tiles[t].tile + TileRegs::smem_offset(i), piece[t]);
