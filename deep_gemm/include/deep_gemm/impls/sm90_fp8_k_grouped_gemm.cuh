@@ -65,7 +65,9 @@ struct Sm90FP8KGroupedGemm {
         const auto raw_full = [&](uint32_t slot) {  // a slot's scales landed (the scale producer's arrival)
             return reinterpret_cast<ptx::MBarrier*>(zeros() + tc_scales::kOffsetRawBarriers) + slot;
         };
-        const auto raw_empty = [&](uint32_t slot) { return raw_full(tc_scales::kRawSlots + slot); };  // both converters read it
+        const auto raw_empty = [&](uint32_t slot) {  // a slot's scales read (both converters' arrivals)
+            return raw_full(tc_scales::kRawSlots + slot);
+        };
         const auto stage_tiles = [&](uint32_t stage) { return reinterpret_cast<uint8_t*>(smem.scales(stage)); };
         if (threadIdx.x == 0) {
             for (uint32_t s = 0; s < tc_scales::kRawSlots; ++s)

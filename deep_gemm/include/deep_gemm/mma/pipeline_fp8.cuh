@@ -63,7 +63,8 @@ constexpr uint32_t kStageBytes = kOffsetB + kRows * 16;  // a stage's tiles
 // Outside the stages: the zero tile, the scales' ring (a slot: a k-block's 128 row scales, then
 // its 128 column scales), then its full and empty barriers.
 constexpr uint32_t kRawSlots = 8, kRawBytes = 2 * kRows * sizeof(float);
-constexpr uint32_t kZeroBytes = kRows * 16, kOffsetRaw = kZeroBytes, kOffsetRawBarriers = kOffsetRaw + kRawSlots * kRawBytes;
+constexpr uint32_t kZeroBytes = kRows * 16, kOffsetRaw = kZeroBytes;
+constexpr uint32_t kOffsetRawBarriers = kOffsetRaw + kRawSlots * kRawBytes;
 constexpr uint32_t kExtraBytes = kOffsetRawBarriers + 2 * kRawSlots * sizeof(uint64_t);
 
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
