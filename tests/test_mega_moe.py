@@ -265,17 +265,19 @@ def test_accuracy_bar(label, T, H, I, E, K, routing, empty):
 
 @requires_sm90
 @pytest.mark.parametrize("weighted", [True, False])
-def test_combine_kernel(weighted):
+@pytest.mark.parametrize("K,H", [(6, 1024), (10, 264)], ids=["K6", "K10-ragged-H"])
+def test_combine_kernel(weighted, K, H):
+    """Every slot group (K > 8 takes two) and a row whose chunks end inside a warp."""
     from deep_gemm.moe.kernels import moe_combine_bf16
-    topk_idx = make_moe_inputs(1000, 64, 64, 16, 6, device="cuda", empty_slot_frac=0.2)["topk_idx"]
-    weights = torch.rand(1000, 6, device="cuda")
+    topk_idx = make_moe_inputs(1000, 64, 64, 16, K, device="cuda", empty_slot_frac=0.2)["topk_idx"]
+    weights = torch.rand(1000, K, device="cuda")
     layout = build_routing_layout(topk_idx, weights, 16)
-    rows = torch.randn(6000, 1024, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(1000 * K, H, device="cuda", dtype=torch.bfloat16)
     rows[layout.slot_row[~layout.slot_valid]] = float("nan")  # rows of empty slots are never read
-    out = moe_combine_bf16(rows, layout, weights if weighted else None, torch.empty(1000, 1024, device="cuda",
+    out = moe_combine_bf16(rows, layout, weights if weighted else None, torch.empty(1000, H, device="cuda",
                                                                                    dtype=torch.bfloat16))
     expected = emulate.moe_combine(rows, layout, weights if weighted else None,
-                                   torch.empty(1000, 1024, device="cuda", dtype=torch.float64))
+                                   torch.empty(1000, H, device="cuda", dtype=torch.float64))
     assert relative_error(out, expected) < 4e-3
 
 

@@ -38,12 +38,15 @@ _KERNELS = {
     "moe_routing_count": ("moe_routing_layout.cuh", "MoERoutingCount", _ROUTING, 256, None),
     "moe_routing_scan": ("moe_routing_layout.cuh", "MoERoutingScan", _ROUTING, 256, None),
     "moe_routing_place": ("moe_routing_layout.cuh", "MoERoutingPlace", _ROUTING, 256, None),
-    "moe_combine": ("moe_combine.cuh", "MoECombine", _COMBINE, 256, 8),
+    "moe_combine": ("moe_combine.cuh", "MoECombine", _COMBINE, 256, 3),
     "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwd", _SWIGLU_FWD, 256, 8),
     "moe_swiglu_bwd": ("moe_swiglu_bwd.cuh", "MoESwiGLUBwd", _SWIGLU_BWD, 128, 16),
     "moe_gather_rows": ("moe_gather_rows.cuh", "MoEGatherRows", _GATHER_ROWS, 256, 4),
     "ep_wait_flags": ("ep_wait_flags.cuh", "EpWaitFlags", _WAIT_FLAGS, 32, None),
 }
+# Kernels whose launch bounds ask ptxas to fit all their CTAs on an SM: the combine's slot groups
+# and prefetched slots would otherwise take ~83 registers, two CTAs an SM (docs/PERF.md, "Decisions").
+_FIT_CTAS_PER_SM = {"moe_combine"}
 # The routing kernels' warps each sort one chunk of slots; their per-warp key counters in shared
 # memory bound the experts (impls/moe_routing_layout.cuh).
 ROUTING_MAX_EXPERTS = 1024
@@ -52,8 +55,9 @@ _ROUTING_WARPS_PER_CTA = 8
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(name: str) -> Kernel:
-    header, struct, params, num_threads, _ = _KERNELS[name]
-    return build_kernel(header, f"dg_{name}", f"deep_gemm::{struct}<{num_threads}>", params, num_threads)
+    header, struct, params, num_threads, ctas_per_sm = _KERNELS[name]
+    return build_kernel(header, f"dg_{name}", f"deep_gemm::{struct}<{num_threads}>", params, num_threads,
+                        min_blocks_per_sm=ctas_per_sm if name in _FIT_CTAS_PER_SM else 1)
 
 
 def _launch(name: str, device: int, num_blocks: Optional[int] = None, **values) -> None:
