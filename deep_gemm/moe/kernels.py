@@ -7,7 +7,7 @@ counts' shared-memory atomics only add integers)."""
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,20 +33,27 @@ _SWIGLU_BWD = ParamsStruct("deep_gemm::MoESwiGLUBwdParams", [
     ("h", "ptr"), ("d_act", "ptr"), ("row_weight", "ptr"), ("dz", "ptr"), ("act_weighted", "ptr"), ("row_dw", "ptr"),
     ("num_rows", "ptr"), ("inter", "u32")])
 
-# kernel -> (header, C++ struct, parameters, threads per CTA, CTAs per SM; None: the launch gives the grid)
+class _KernelSpec(NamedTuple):
+    header: str
+    struct: str  # the C++ struct, templated on the threads per CTA
+    params: ParamsStruct
+    num_threads: int  # threads per CTA
+    ctas_per_sm: Optional[int]  # the grid, CTAs an SM; None: the launch gives it
+    min_ctas_per_sm: int = 1  # CTAs an SM that its registers must allow (launch bounds)
+
+
+# The combine's bound fits its three CTAs an SM: its slot groups and prefetched slots would otherwise
+# take ~83 registers, two CTAs an SM (docs/PERF.md, "Decisions": combine).
 _KERNELS = {
-    "moe_routing_count": ("moe_routing_layout.cuh", "MoERoutingCount", _ROUTING, 256, None),
-    "moe_routing_scan": ("moe_routing_layout.cuh", "MoERoutingScan", _ROUTING, 256, None),
-    "moe_routing_place": ("moe_routing_layout.cuh", "MoERoutingPlace", _ROUTING, 256, None),
-    "moe_combine": ("moe_combine.cuh", "MoECombine", _COMBINE, 256, 3),
-    "moe_swiglu_fwd": ("moe_swiglu_fwd.cuh", "MoESwiGLUFwd", _SWIGLU_FWD, 256, 8),
-    "moe_swiglu_bwd": ("moe_swiglu_bwd.cuh", "MoESwiGLUBwd", _SWIGLU_BWD, 128, 16),
-    "moe_gather_rows": ("moe_gather_rows.cuh", "MoEGatherRows", _GATHER_ROWS, 256, 4),
-    "ep_wait_flags": ("ep_wait_flags.cuh", "EpWaitFlags", _WAIT_FLAGS, 32, None),
+    "moe_routing_count": _KernelSpec("moe_routing_layout.cuh", "MoERoutingCount", _ROUTING, 256, None),
+    "moe_routing_scan": _KernelSpec("moe_routing_layout.cuh", "MoERoutingScan", _ROUTING, 256, None),
+    "moe_routing_place": _KernelSpec("moe_routing_layout.cuh", "MoERoutingPlace", _ROUTING, 256, None),
+    "moe_combine": _KernelSpec("moe_combine.cuh", "MoECombine", _COMBINE, 256, 3, min_ctas_per_sm=3),
+    "moe_swiglu_fwd": _KernelSpec("moe_swiglu_fwd.cuh", "MoESwiGLUFwd", _SWIGLU_FWD, 256, 8),
+    "moe_swiglu_bwd": _KernelSpec("moe_swiglu_bwd.cuh", "MoESwiGLUBwd", _SWIGLU_BWD, 128, 16),
+    "moe_gather_rows": _KernelSpec("moe_gather_rows.cuh", "MoEGatherRows", _GATHER_ROWS, 256, 4),
+    "ep_wait_flags": _KernelSpec("ep_wait_flags.cuh", "EpWaitFlags", _WAIT_FLAGS, 32, None),
 }
-# Kernels whose launch bounds ask ptxas to fit all their CTAs on an SM: the combine's slot groups
-# and prefetched slots would otherwise take ~83 registers, two CTAs an SM (docs/PERF.md, "Decisions").
-_FIT_CTAS_PER_SM = {"moe_combine"}
 # The routing kernels' warps each sort one chunk of slots; their per-warp key counters in shared
 # memory bound the experts (impls/moe_routing_layout.cuh).
 ROUTING_MAX_EXPERTS = 1024
@@ -55,16 +62,16 @@ _ROUTING_WARPS_PER_CTA = 8
 
 @functools.lru_cache(maxsize=None)
 def get_kernel(name: str) -> Kernel:
-    header, struct, params, num_threads, ctas_per_sm = _KERNELS[name]
-    return build_kernel(header, f"dg_{name}", f"deep_gemm::{struct}<{num_threads}>", params, num_threads,
-                        min_blocks_per_sm=ctas_per_sm if name in _FIT_CTAS_PER_SM else 1)
+    spec = _KERNELS[name]
+    return build_kernel(spec.header, f"dg_{name}", f"deep_gemm::{spec.struct}<{spec.num_threads}>", spec.params,
+                        spec.num_threads, min_blocks_per_sm=spec.min_ctas_per_sm)
 
 
 def _launch(name: str, device: int, num_blocks: Optional[int] = None, **values) -> None:
-    params = _KERNELS[name][2]
+    spec = _KERNELS[name]
     if num_blocks is None:
-        num_blocks = _KERNELS[name][4] * get_num_sms(device)
-    get_kernel(name).launch(params.pack(**values), num_blocks, device)
+        num_blocks = spec.ctas_per_sm * get_num_sms(device)
+    get_kernel(name).launch(spec.params.pack(**values), num_blocks, device)
 
 
 def all_kernels() -> list[str]:
