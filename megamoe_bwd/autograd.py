@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe
+from ._kernels import (Fp8WeightCopies, MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe,
+                       get_fp8_weight_copies)
 
 from .backward import mega_moe_backward
 
 Tensor = torch.Tensor
 
 
-def _fp8_copy_shapes(l1: torch.Tensor, fp8: bool) -> list[tuple[tuple, torch.dtype]]:
-    """Shapes and dtypes of the forward op's last four outputs: in FP8 the forward's copies of l1
-    and l2 as the data gradients read them (each `Fp8Weights`' data_t and its scales
-    ``[E, N / 128, K / 128]``), else four empty tensors."""
+def _fp8_copy_shapes(l1: torch.Tensor, kept: bool) -> list[tuple[tuple, torch.dtype]]:
+    """Shapes and dtypes of the forward op's last four outputs: where an FP8 forward keeps its
+    copies of l1 and l2 for the data gradients (`kept`), those copies as the data gradients read
+    them (each `Fp8Weights`' data_t and its scales ``[E, N / 128, K / 128]``), else four empty
+    tensors (bf16, or FP8 under `Fp8WeightCopies.PER_GEMM`: the backward makes its own)."""
     num_experts, two_inter, hidden = l1.shape
     inter, e4m3 = two_inter // 2, torch.float8_e4m3fn
-    if not fp8:
+    if not kept:
         return [((0,), e4m3), ((0,), torch.float32)] * 2
     return [((num_experts, hidden, two_inter), e4m3), ((num_experts, two_inter // 128, hidden // 128), torch.float32),
             ((num_experts, inter, hidden), e4m3), ((num_experts, hidden // 128, inter // 128), torch.float32)]
@@ -25,11 +27,15 @@ def _fp8_copy_shapes(l1: torch.Tensor, fp8: bool) -> list[tuple[tuple, torch.dty
 
 @torch.library.custom_op("megamoe::forward", mutates_args=(), device_types="cuda")
 def _forward_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
-                l2: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                              Tensor, Tensor, Tensor, Tensor]:
+                l2: torch.Tensor, fp8: bool = False, keep_copies: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # (keep_copies: whether the FP8 forward keeps its weight copies for the backward, as the
+    # copies' policy said when the op was called; the fake below needs it)
     y, handle = (fp8_mega_moe if fp8 else bf16_mega_moe)(x, topk_idx, topk_weights, l1, l2, training=True)
     layout = handle.layout
-    if fp8:  # (aliases of the cached copies, not the cache's own tensor objects)
+    if (handle.dgrad_weights is not None) != keep_copies:
+        raise RuntimeError("the FP8 weight copies' policy changed inside a call of megamoe::forward")
+    if keep_copies:  # (aliases of the cached copies, not the cache's own tensor objects)
         copies = [t.detach() for (data_t, scales_t) in handle.dgrad_weights for t in (data_t, scales_t.transpose(1, 2))]
     else:
         copies = [x.new_empty(shape, dtype=dtype) for shape, dtype in _fp8_copy_shapes(l1, False)]
@@ -38,14 +44,14 @@ def _forward_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
 
 @_forward_op.register_fake
-def _(x, topk_idx, topk_weights, l1, l2, fp8=False):
+def _(x, topk_idx, topk_weights, l1, l2, fp8=False, keep_copies=False):
     (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, l1.shape
     num_slots = num_tokens * topk_idx.shape[1]
     return (x.new_empty(num_tokens, hidden), x.new_empty(num_slots, two_inter),
             x.new_empty(num_experts + 1, dtype=torch.int32), x.new_empty(num_slots, dtype=torch.int64),
             x.new_empty(num_slots, dtype=torch.float32), topk_idx.new_empty(topk_idx.shape),
             topk_idx.new_empty(topk_idx.shape, dtype=torch.bool),
-            *(x.new_empty(shape, dtype=dtype) for shape, dtype in _fp8_copy_shapes(l1, fp8)))
+            *(x.new_empty(shape, dtype=dtype) for shape, dtype in _fp8_copy_shapes(l1, keep_copies)))
 
 
 @torch.library.custom_op("megamoe::backward", mutates_args=("h",), device_types="cuda")
@@ -53,8 +59,10 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, l1: torch.Tensor, l2: torch.
                  offsets: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, slot_row: torch.Tensor,
                  slot_valid: torch.Tensor, l1_data_t: torch.Tensor, l1_scales: torch.Tensor, l2_data_t: torch.Tensor,
                  l2_scales: torch.Tensor, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    # (FP8: the data gradients multiply by the forward's weight copies, quantized once a step)
-    dgrad_weights = ((l1_data_t, l1_scales.transpose(1, 2)), (l2_data_t, l2_scales.transpose(1, 2))) if fp8 else None
+    # (FP8: the data gradients multiply by the forward's weight copies where it kept them, else
+    # by copies the backward makes, the same bits)
+    kept = fp8 and l1_data_t.numel() > 0
+    dgrad_weights = ((l1_data_t, l1_scales.transpose(1, 2)), (l2_data_t, l2_scales.transpose(1, 2))) if kept else None
     handle = MegaMoEHandle(RoutingLayout(offsets, row_token, row_weight, slot_row, slot_valid), x, h,
                            recipe="fp8" if fp8 else "bf16", dgrad_weights=dgrad_weights)
     # Gradients take the parameters' dtype (autograd would cast them to it anyway).
@@ -69,7 +77,7 @@ def _(dy, x, l1, l2, h, offsets, row_token, row_weight, slot_row, slot_valid, l1
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, topk_weights, l1, l2, fp8 = inputs
+    x, _, topk_weights, l1, l2, fp8, _ = inputs
     ctx.save_for_backward(x, l1, l2, *output[1:])
     ctx.topk_weights_dtype, ctx.fp8 = topk_weights.dtype, fp8
     # Only y reaches users; zero gradients for the saved outputs (h alone is 2I bf16 per
@@ -82,7 +90,7 @@ def _backward(ctx, dy, *unused_grads):
         return None, None, None, None, None, None
     x, l1, l2, *saved = ctx.saved_tensors
     dx, dtopk_weights, dl1, dl2 = torch.ops.megamoe.backward(dy, x, l1, l2, *saved, ctx.fp8)
-    return dx, None, dtopk_weights.to(ctx.topk_weights_dtype), dl1, dl2, None
+    return dx, None, dtopk_weights.to(ctx.topk_weights_dtype), dl1, dl2, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -100,4 +108,5 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-    return torch.ops.megamoe.forward(x, topk_idx, topk_weights, l1, l2, fp8)[0]
+    keep_copies = fp8 and get_fp8_weight_copies() is not Fp8WeightCopies.PER_GEMM
+    return torch.ops.megamoe.forward(x, topk_idx, topk_weights, l1, l2, fp8, keep_copies)[0]

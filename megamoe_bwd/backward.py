@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_tensor, dense_rows,
-                       fp8_quantize_columns, fp8_quantize_rows, fp8_weights, k_grouped_bf16,
+                       fp8_dgrad_weights, fp8_quantize_columns, fp8_quantize_rows, k_grouped_bf16,
                        k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
                        m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8,
                        m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8,
@@ -226,6 +226,8 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
         k_grouped_fp8.get_kernel(dtype, accumulate)
     quant_kernels.get_kernel("rows", False)  # dy rows
     quant_kernels.get_kernel("activations", False)  # dy and x columns
+    for weights in ("weights", "weights_data_t"):  # data gradients' copies not kept by the forward
+        quant_kernels.get_kernel(weights, False)
     moe_kernels_fp8.get_kernel(False)
     kernels.get_kernel("moe_combine")
 
@@ -291,17 +293,18 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     offsets, inter = layout.offsets, l2.shape[2]
     if dy.is_cuda:
         build_fp8_kernels(grads)
-    # (a handle made without the forward's copies reads the cached ones)
-    w1, w2 = handle.dgrad_weights or (fp8_weights(l1).transposed_operand(), fp8_weights(l2).transposed_operand())
+    # the forward's copies, or (a handle without them: Fp8WeightCopies.PER_GEMM) each made just
+    # before its GEMM and dropped after it
+    kept1, kept2 = handle.dgrad_weights or (None, None)
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     # dy quantized per token as rows (dA's GEMM gathers them: T rows written, not T * K) and, from
     # its routed rows gathered by the loads, per expert as columns (dl2's)
     dy_dense = dense_rows(dy)
     dy_rows = fp8_quantize_rows(dy_dense)
     _, dy_cols = fp8_quantize_columns(dy_dense, offsets, row_index=layout.row_token)
-    d_act = fp8_data_gradient(dy_rows, w2, dy.new_empty(layout.num_slots, inter), offsets,
+    d_act = fp8_data_gradient(dy_rows, fp8_dgrad_weights(l2, kept2), dy.new_empty(layout.num_slots, inter), offsets,
                               a_row_index=layout.row_token)
-    del dy_rows, dy_dense
+    del dy_rows, dy_dense, kept2
     # (a consumed handle's h is dead once the SwiGLU backward has read it)
     x_cols_storage = x_columns_storage(None if keep_handle else handle.h, x, layout)
     dz_rows, dz_cols, row_dw = fp8_swiglu_backward_and_dl2(handle, d_act, dy_cols, grads, keep_handle)
@@ -309,8 +312,9 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     # dx's GEMM and combine, then dl1, on this stream (side by side the two ran one after the other
     # anyway: each grid fills the GPU), so that dz's rows and dx's are freed before dl1 is
     # allocated, and x's columns take h's memory (docs/PERF.md, "Decisions": the FP8 backward's dl1)
-    dx_rows = fp8_data_gradient(dz_rows, w1, dy.new_empty(layout.num_slots, x.shape[1]), offsets)
-    del dz_rows
+    dx_rows = fp8_data_gradient(dz_rows, fp8_dgrad_weights(l1, kept1), dy.new_empty(layout.num_slots, x.shape[1]),
+                                offsets)
+    del dz_rows, kept1
     dx = moe_combine_bf16(dx_rows, layout, None, torch.empty_like(dy, memory_format=torch.contiguous_format))
     del dx_rows
     fp8_dl1_gemm(dz_cols, x, layout, grads, x_cols_storage)

@@ -8,7 +8,8 @@ quantization and against an HBM copy of the input (the roofline), measured in on
               the gathered rows)
     rows+cols dy [T * K, H]       -> rows, and the transposed copy per 128 x 1 in E ragged groups
               act [T * K, I]         (the weight gradients' operands; torch: rows only, no transpose)
-    weights   l1 [E, 2I, H], l2   -> fp8 in both orientations, 128 x 128 scales
+    weights   l1 [E, 2I, H], l2   -> fp8 in both orientations, 128 x 128 scales; "data" and
+              "data_t" rows: one orientation only (`Fp8WeightCopies.PER_GEMM`)
     swiglu bwd h [T * K, 2I], d_act -> the FP8 backward's SwiGLU backward with its outputs quantized
               (deep_gemm.moe.kernels_fp8: dz rows and columns, w * act columns; "torch" here is
               the unfused chain, our bf16 SwiGLU backward and two column quantizations)
@@ -79,6 +80,13 @@ def cases(model: str, routing: str, gen: torch.Generator):
         yield (f"weights {name}", 2 * w.numel(), num_bytes, lambda w=w: fp8_quantize_weights(w), num_bytes,
                lambda w=w: torch_weights(w),
                lambda w=w: same_bits(fp8_quantize_weights(w).data_t, reference.fp8_quantize_weights_torch(w).data_t))
+        for which in ("data", "data_t"):  # one orientation (Fp8WeightCopies.PER_GEMM's copies)
+            def check(w=w, which=which):
+                return same_bits(getattr(fp8_quantize_weights(w, which=which), which),
+                                 getattr(reference.fp8_quantize_weights_torch(w), which))
+            yield (f"weights {name} {which}", 2 * w.numel(), num_bytes - w.numel(),
+                   lambda w=w, which=which: fp8_quantize_weights(w, which=which), num_bytes,
+                   lambda w=w: torch_weights(w), check)
 
 
 def gathered_columns_case(x: torch.Tensor, experts: int, topk: int, routing: str, torch_rows):

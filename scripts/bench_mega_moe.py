@@ -7,7 +7,8 @@ a block freed on a side stream stays there while that stream may still use it), 
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
     ours fp8 megamoe_bwd.mega_moe(..., fp8=True): the expert GEMMs in blockwise FP8, bf16 in
              and out (TFLOPS counted as for bf16); `--no-fp8` leaves it and the next out;
-             `--fp8-per-call` adds "ours fp8 per call", its weight copies made at every call
+             `--fp8-copies per_call,per_gemm` adds "ours fp8 per call" and "ours fp8 per gemm",
+             its weight copies under those `deep_gemm.Fp8WeightCopies` policies
     torch fp8 rowwise  megamoe_bwd.baseline.fp8_rowwise_moe: the torch MoE with its GEMMs on
              torch._scaled_grouped_mm, rowwise scales, torch's quantization (torchao-style; its
              weight gradients read the group sizes on the host)
@@ -199,16 +200,19 @@ def sustained_fwd_bwd(fn, inputs, dy, seconds: float) -> SustainedTiming:
     return sustained_ms(step, seconds, batch=2)
 
 
-def _fp8_copies_per_call(*inputs) -> torch.Tensor:
-    """Our FP8 layer with `deep_gemm.Fp8WeightCopies.PER_CALL` for its forward (the backward takes
-    the forward's copies either way)."""
+def _fp8_with_copies(policy: str):
+    """Our FP8 layer with its weight copies under `deep_gemm.Fp8WeightCopies(policy)` (the policy
+    the forward runs under decides what its backward makes)."""
     import deep_gemm
-    previous = deep_gemm.get_fp8_weight_copies()
-    deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL)
-    try:
-        return mega_moe(*inputs, fp8=True)
-    finally:
-        deep_gemm.set_fp8_weight_copies(previous)
+
+    def layer(*inputs) -> torch.Tensor:
+        previous = deep_gemm.get_fp8_weight_copies()
+        deep_gemm.set_fp8_weight_copies(deep_gemm.Fp8WeightCopies(policy))
+        try:
+            return mega_moe(*inputs, fp8=True)
+        finally:
+            deep_gemm.set_fp8_weight_copies(previous)
+    return layer
 
 
 def main() -> None:
@@ -224,9 +228,10 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true", help="leave Liger out (its autotuning takes minutes)")
     parser.add_argument("--no-fp8", action="store_true", help="leave our FP8 layer out (one GPU; with --num-processes "
                         "use --impls)")
-    parser.add_argument("--fp8-per-call", action="store_true", help="also time our FP8 layer with its weight copies "
-                        "made per call (deep_gemm.Fp8WeightCopies.PER_CALL): every step quantizes the weights, and "
-                        "no copy outlives its backward")
+    parser.add_argument("--fp8-copies", default="", help="also time our FP8 layer with its weight copies under "
+                        "these deep_gemm.Fp8WeightCopies policies, comma-separated (per_call: made by every forward, "
+                        "none outlives its backward; per_gemm: each made just before its GEMMs, none kept from the "
+                        "forward to the backward)")
     parser.add_argument("--sustained", type=float, default=None, metavar="SECONDS",
                         help="also time each implementation's steps back to back for SECONDS (one GPU): the "
                              "power-capped steady state of training, with the SM clock and power")
@@ -245,8 +250,8 @@ def main() -> None:
     if not args.no_fp8:
         impls["torch fp8 rowwise"] = fp8_rowwise_moe
         impls["ours fp8"] = lambda *inputs: mega_moe(*inputs, fp8=True)
-        if args.fp8_per_call:
-            impls["ours fp8 per call"] = _fp8_copies_per_call
+        for policy in filter(None, args.fp8_copies.split(",")):
+            impls[f"ours fp8 {policy.replace('_', ' ')}"] = _fp8_with_copies(policy)
     if liger_impl() is not None and not args.no_liger:
         impls["liger"] = liger_impl()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     parser.add_argument("--plot", default="train_moe.png")
     parser.add_argument("--json", default=None, help="write each backend's per-step losses and step times here")
-    parser.add_argument("--fp8-weight-copies", default="per_step", choices=("per_step", "per_call"),
+    parser.add_argument("--fp8-weight-copies", default="per_step", choices=("per_step", "per_call", "per_gemm"),
                         help="how long megamoe_fp8's FP8 weight copies live (deep_gemm.Fp8WeightCopies)")
     args = parser.parse_args()
     require_sm90("train_moe.py")

@@ -193,6 +193,18 @@ def test_weights_one_scale_per_128x128_block_in_both_orientations(power_of_two):
     assert _within_e4m3_rounding(reference.dequantize_weights(out), w.float(), scale)
 
 
+def test_weights_in_one_orientation_are_that_half_of_both():
+    w = torch.randn(2, 256, 128).to(torch.bfloat16)
+    both = fp8_quantize_weights(w)
+    data, data_t = fp8_quantize_weights(w, which="data"), fp8_quantize_weights(w, which="data_t")
+    assert data.data_t is None and data_t.data is None
+    assert torch.equal(data.data.view(torch.uint8), both.data.view(torch.uint8))
+    assert torch.equal(data_t.data_t.view(torch.uint8), both.data_t.view(torch.uint8))
+    assert torch.equal(data.scales, both.scales) and torch.equal(data_t.scales, both.scales)
+    with pytest.raises(ValueError, match="without their transposed copy"):
+        data.transposed_operand()
+
+
 @pytest.mark.parametrize("call,error", [
     (lambda: fp8_quantize_rows(torch.zeros(4, 128)), "dtype"),
     (lambda: fp8_quantize_rows(torch.zeros(4, 200, dtype=torch.bfloat16)), "multiple of 128"),
@@ -205,6 +217,7 @@ def test_weights_one_scale_per_128x128_block_in_both_orientations(power_of_two):
      "1 to 1024 groups"),
     (lambda: fp8_quantize_weights(torch.zeros(2, 100, 128, dtype=torch.bfloat16)), "multiple of 128"),
     (lambda: fp8_quantize_weights(torch.zeros(100, 128, dtype=torch.bfloat16)), "3-D"),
+    (lambda: fp8_quantize_weights(torch.zeros(1, 128, 128, dtype=torch.bfloat16), which="rows"), "which must be"),
     (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32),
                                   row_index=torch.zeros(4, dtype=torch.int32)), "int64"),
 ])
@@ -389,6 +402,19 @@ def test_weights_kernel_equals_the_reference(g, n, k, power_of_two):
         assert poisoned(out.data) and poisoned(out.data_t)
     ref = reference.fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two)
     assert same_bits(out.data, ref.data) and same_bits(out.data_t, ref.data_t) and same_bits(out.scales, ref.scales)
+
+
+@requires_sm90
+@pytest.mark.parametrize("which", ["data", "data_t"])
+@pytest.mark.parametrize("g,n,k", [(1, 128, 128), (3, 256, 384), (2, 7168, 2048)])
+def test_weights_kernel_in_one_orientation_equals_the_reference(g, n, k, which):
+    w = (torch.randn(g, n, k) * torch.exp2(torch.randint(-8, 4, (g, n, 1)).float())).to(torch.bfloat16)
+    with poisoned_allocations(4 * w.numel()) as poisoned:
+        out = fp8_quantize_weights(w.cuda(), which=which)
+        assert poisoned(getattr(out, which)) and poisoned(out.scales)
+    assert getattr(out, "data_t" if which == "data" else "data") is None
+    ref = reference.fp8_quantize_weights_torch(w)
+    assert same_bits(getattr(out, which), getattr(ref, which)) and same_bits(out.scales, ref.scales)
 
 
 @requires_sm90

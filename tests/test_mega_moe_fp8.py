@@ -127,6 +127,20 @@ def test_per_call_copies_are_new_at_every_call_and_never_cached(per_call_copies)
     assert deep_gemm.get_fp8_weight_copies() is deep_gemm.Fp8WeightCopies.PER_CALL
 
 
+def test_per_gemm_copies_hold_the_forward_orientation_and_are_never_cached():
+    from deep_gemm.moe.fp8 import fp8_dgrad_weights, kept_dgrad_weights
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    both = fp8_weights(w)
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_GEMM):
+        forward = fp8_weights(w)
+        assert forward.data_t is None and fp8_weights(w) is not forward
+        assert kept_dgrad_weights(forward, forward) is None
+        data_t, scales_t = fp8_dgrad_weights(w)  # (the backward's own, made from w)
+    assert torch.equal(forward.data.view(torch.uint8), both.data.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), both.data_t.view(torch.uint8))
+    assert torch.equal(scales_t, both.scales.transpose(1, 2))
+
+
 def test_switching_to_per_call_drops_the_cached_copies():
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     cached = weakref.ref(fp8_weights(w))
@@ -141,13 +155,14 @@ def test_the_copies_policy_is_an_fp8_weight_copies():
     assert deep_gemm.get_fp8_weight_copies() is deep_gemm.Fp8WeightCopies.PER_STEP
 
 
-def test_emulated_layer_gives_the_same_outputs_with_per_call_copies(emulated_gemms):
+@pytest.mark.parametrize("policy", [deep_gemm.Fp8WeightCopies.PER_CALL, deep_gemm.Fp8WeightCopies.PER_GEMM])
+def test_emulated_layer_gives_the_same_outputs_with_uncached_copies(emulated_gemms, policy):
     p = make_moe_inputs(100, 256, 128, 8, 4, routing="skewed", seed=3)
     args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
     per_step = _emulated_layer(*args)
-    with weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL):
-        per_call = _emulated_layer(*args)
-    for name, a, b in zip(OUTPUTS, per_step, per_call):
+    with weight_copies(policy):
+        uncached = _emulated_layer(*args)
+    for name, a, b in zip(OUTPUTS, per_step, uncached):
         assert torch.equal(a, b), name
 
 
@@ -177,28 +192,59 @@ def test_the_backward_writes_x_columns_into_the_consumed_h(emulated_gemms, monke
 
 
 @requires_sm90
-def test_per_call_copies_do_not_outlive_the_backward(per_call_copies):
-    """Through autograd, PER_CALL leaves nothing allocated once the gradients are taken away: the
-    forward's copies go with the forward, the data gradients' with the backward."""
+@pytest.mark.parametrize("policy", [deep_gemm.Fp8WeightCopies.PER_CALL, deep_gemm.Fp8WeightCopies.PER_GEMM])
+def test_uncached_copies_do_not_outlive_the_backward(policy):
+    """Through autograd, PER_CALL and PER_GEMM leave nothing allocated once the gradients are taken
+    away (the forward's copies go with the forward, the data gradients' with the backward), with
+    the direct calls' outputs and gradients, bit for bit."""
     from megamoe_bwd import mega_moe
     p = make_moe_inputs(512, 256, 256, 8, 4, device="cuda", seed=4)
     leaves = [p[n].detach().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
-    y = mega_moe(*leaves, fp8=True)
-    y.backward(p["dy"])
-    direct = _gpu_layer(*(p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")))
-    for name, a, b in zip(OUTPUTS, direct, (y, *(leaves[i].grad for i in (0, 2, 3, 4)))):
-        assert torch.equal(a.to(b.dtype), b), name
-    del y, direct
+    with weight_copies(policy):
+        y = mega_moe(*leaves, fp8=True)
+        y.backward(p["dy"])
+        direct = _gpu_layer(*(p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")))
+        for name, a, b in zip(OUTPUTS, direct, (y, *(leaves[i].grad for i in (0, 2, 3, 4)))):
+            assert torch.equal(a.to(b.dtype), b), name
+        del y, direct
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = mega_moe(*leaves, fp8=True)
+        y.backward(p["dy"])
+        del y
+        for t in leaves:
+            t.grad = None
+        assert torch.cuda.memory_allocated() == before
+
+
+def _peak_fwd_bwd_bytes(leaves, dy, fp8: bool) -> int:
+    """Peak bytes allocated above what is alive before one autograd fwd+bwd (after one warm-up)."""
+    from megamoe_bwd import mega_moe
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        mega_moe(*leaves, fp8=fp8).backward(dy)
+        torch.cuda.synchronize()
     for t in leaves:
         t.grad = None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    y = mega_moe(*leaves, fp8=True)
-    y.backward(p["dy"])
-    del y
-    for t in leaves:
-        t.grad = None
-    assert torch.cuda.memory_allocated() == before
+    return torch.cuda.max_memory_allocated() - base
+
+
+@requires_sm90
+def test_per_gemm_copies_keep_the_peak_at_most_bf16s():
+    """At the Qwen3-30B-A3B shape (16384 tokens), an FP8 fwd+bwd with PER_GEMM copies peaks no
+    higher than the bf16 layer's (issue 19's memory bar)."""
+    p = make_moe_inputs(16384, 2048, 768, 128, 8, device="cuda", seed=6)
+    leaves = [p[n].detach().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
+    bf16 = _peak_fwd_bwd_bytes(leaves, p["dy"], fp8=False)
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_GEMM):
+        fp8 = _peak_fwd_bwd_bytes(leaves, p["dy"], fp8=True)
+    assert fp8 <= bf16, (fp8 / 2**30, bf16 / 2**30)
 
 
 @pytest.mark.parametrize("inter,hidden", [(192, 256), (128, 320)])

@@ -34,10 +34,17 @@ class Fp8WeightCopies(enum.Enum):
     PER_CALL: each forward makes the copies and nothing caches them; the forward's orientation is
     freed when the forward returns, the data gradients' (1 byte per parameter) when its backward
     has run: less memory wherever a step has one micro-batch (whose weights change before the next
-    forward anyway), one quantization per micro-batch otherwise."""
+    forward anyway), one quantization per micro-batch otherwise.
+
+    PER_GEMM: each orientation is made just before the GEMMs that read it and freed after them:
+    the forward's copies by the forward (the forward orientation only), each data gradient's
+    transposed copy by the backward just before its GEMM (the same bits). Nothing is held from
+    the forward to the backward, so the layer's peak is no higher than bf16's, at one more read
+    of each bf16 weight per forward and backward (docs/PERF.md, "Decisions": FP8 weight copies)."""
 
     PER_STEP = "per_step"
     PER_CALL = "per_call"
+    PER_GEMM = "per_gemm"
 
 
 _copies = Fp8WeightCopies.PER_STEP
@@ -83,10 +90,13 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     under ``no_grad``), when its storage moves, and after `invalidate_fp8_weights`. While a CUDA
     graph is being captured it is always made (inside the graph, so every replay quantizes the
     weight as it then is). The copy holds 2 bytes per parameter, from the first forward after
-    a step to the next step."""
+    a step to the next step. With PER_GEMM the copy holds the forward's orientation only (its
+    ``data_t`` is None: the backward makes its own, `fp8_dgrad_weights`)."""
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(lambda *_: invalidate_fp8_weights())
+    if _copies is Fp8WeightCopies.PER_GEMM:
+        return fp8_quantize_weights(w, which="data")
     if _copies is Fp8WeightCopies.PER_CALL or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
         return fp8_quantize_weights(w)
     key = (w.data_ptr(), -1 if w.is_inference() else w._version)
@@ -95,6 +105,28 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
         cached = (key, fp8_quantize_weights(w))
         _weight_cache[w] = cached
     return cached[1]
+
+
+def kept_dgrad_weights(w1: Fp8Weights, w2: Fp8Weights) -> Optional[tuple]:
+    """What a forward keeps for its backward's data gradients: l1's and l2's transposed operands
+    (`Fp8Weights.transposed_operand`) from its copies, or None under PER_GEMM (the backward then
+    makes each just before its GEMM, `fp8_dgrad_weights`)."""
+    if w1.data_t is None or w2.data_t is None:
+        return None
+    return w1.transposed_operand(), w2.transposed_operand()
+
+
+def fp8_dgrad_weights(w: torch.Tensor, kept: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B of a data gradient's FP8 GEMM for expert weight w ``[E, N, K]`` bf16: ``(data_t [E, K,
+    N] e4m3, scales [E, K / 128, N / 128])``. `kept` (the forward's, `kept_dgrad_weights`) if
+    given; else the cached copy's (PER_STEP), or a new transposed copy alone, not cached
+    (PER_CALL, PER_GEMM, CUDA-graph capture): the bits of the forward's copy either way."""
+    if kept is not None:
+        return kept
+    if _copies is Fp8WeightCopies.PER_STEP and not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return fp8_weights(w).transposed_operand()
+    return fp8_quantize_weights(w, which="data_t").transposed_operand()
 
 
 def fp8_moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.Tensor, w1: Fp8Weights,
@@ -145,5 +177,4 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     h = fp8_moe_forward(x, layout, topk_weights, w1, w2, y)
     if not training:
         return y, None
-    return y, MegaMoEHandle(layout=layout, x=x, h=h, recipe="fp8",
-                            dgrad_weights=(w1.transposed_operand(), w2.transposed_operand()))
+    return y, MegaMoEHandle(layout=layout, x=x, h=h, recipe="fp8", dgrad_weights=kept_dgrad_weights(w1, w2))

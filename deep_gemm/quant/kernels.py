@@ -56,7 +56,13 @@ _KERNELS = {
                                         _ACTIVATIONS, 0, 4, True),
     "rows": _KernelSpec("Fp8QuantizeRows", "", _ACTIVATIONS, 0, 4, False),
     "weights": _KernelSpec("Fp8QuantizeWeights", "", _WEIGHTS, _WEIGHTS_SMEM_BYTES, 2, False),
+    # one orientation of the weights: the forward's, or the data gradient's transpose
+    "weights_data": _KernelSpec("Fp8QuantizeWeights", ", deep_gemm::fp8_quantize::ForwardWeightCopy", _WEIGHTS,
+                                _WEIGHTS_SMEM_BYTES, 2, False),
+    "weights_data_t": _KernelSpec("Fp8QuantizeWeights", ", deep_gemm::fp8_quantize::TransposedWeightCopy", _WEIGHTS,
+                                  _WEIGHTS_SMEM_BYTES, 2, False),
 }
+_WEIGHT_KERNELS = {"both": "weights", "data": "weights_data", "data_t": "weights_data_t"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,22 +248,27 @@ def _check_fp8_rows(x: Fp8Rows) -> None:
                          f"strides {scales.stride() if isinstance(scales, torch.Tensor) else None}")
 
 
-def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Weights:
-    """w ``[G, N, K]`` bf16 (N and K multiples of 128) quantized per 128 x 128 block, in both
-    orientations from one pass (see `Fp8Weights`): ``data`` is B of the forward
-    (`m_grouped_fp8_gemm_nt_contiguous`), ``data_t`` B of the data gradient."""
+def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False, which: str = "both") -> Fp8Weights:
+    """w ``[G, N, K]`` bf16 (N and K multiples of 128) quantized per 128 x 128 block (see
+    `Fp8Weights`): ``data`` is B of the forward (`m_grouped_fp8_gemm_nt_contiguous`), ``data_t``
+    B of the data gradient. `which`: "both" (the default) writes both orientations from one read
+    of w; "data" or "data_t" only that one (the other is None), the same bits."""
     check_tensor("w", w, torch.bfloat16, 3)
+    if which not in _WEIGHT_KERNELS:
+        raise ValueError(f"which must be one of {tuple(_WEIGHT_KERNELS)}, got {which!r}")
     num_groups, n, k = w.shape
     check_multiple("N (w.shape[1])", n, BLOCK)
     check_multiple("K (w.shape[2])", k, BLOCK)
     if not w.is_cuda:
-        return fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two_scales)
+        return fp8_quantize_weights_torch(w, power_of_two_scales=power_of_two_scales, which=which)
     check_cuda_devices(w=w)
-    out = Fp8Weights(torch.empty(num_groups, n, k, dtype=torch.float8_e4m3fn, device=w.device),
-                     torch.empty(num_groups, k, n, dtype=torch.float8_e4m3fn, device=w.device),
+    e4m3 = torch.float8_e4m3fn
+    out = Fp8Weights(torch.empty(num_groups, n, k, dtype=e4m3, device=w.device) if which != "data_t" else None,
+                     torch.empty(num_groups, k, n, dtype=e4m3, device=w.device) if which != "data" else None,
                      torch.empty(num_groups, n // BLOCK, k // BLOCK, dtype=torch.float32, device=w.device))
     num_tiles = num_groups * (n // BLOCK) * (k // BLOCK)
     if num_tiles:
-        _launch("weights", power_of_two_scales, w.device.index, num_tiles, w=w.data_ptr(), q=out.data.data_ptr(),
-                qt=out.data_t.data_ptr(), scales=out.scales.data_ptr(), num_groups=num_groups, n=n, k=k)
+        _launch(_WEIGHT_KERNELS[which], power_of_two_scales, w.device.index, num_tiles, w=w.data_ptr(),
+                q=0 if out.data is None else out.data.data_ptr(), qt=0 if out.data_t is None else out.data_t.data_ptr(),
+                scales=out.scales.data_ptr(), num_groups=num_groups, n=n, k=k)
     return out

@@ -40,17 +40,20 @@ class Fp8Columns:
 
 @dataclass
 class Fp8Weights:
-    """Weights quantized per 128 x 128 block, in both orientations with the same scales.
+    """Weights quantized per 128 x 128 block, in both orientations with the same scales (or in
+    the one asked for: the other is None, see `fp8_quantize_weights`' `which`).
 
     data ``[G, N, K]`` and data_t ``[G, K, N]`` float8_e4m3fn (``data_t[g] == data[g].T``);
     scales ``[G, N / 128, K / 128]`` float32: ``w[g, n, k] ~ data[g, n, k] * scales[g, n // 128, k // 128]``."""
-    data: torch.Tensor
-    data_t: torch.Tensor
+    data: Optional[torch.Tensor]
+    data_t: Optional[torch.Tensor]
     scales: torch.Tensor
 
     def transposed_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The data gradient's B for the FP8 GEMMs (both operands K-major): ``(data_t, scales
         [G, K / 128, N / 128])``, a view of the same scales."""
+        if self.data_t is None:
+            raise ValueError("these FP8 weights were quantized without their transposed copy (which='data')")
         return self.data_t, self.scales.transpose(1, 2)
 
 
@@ -147,13 +150,15 @@ def fp8_quantize_columns_torch(x: torch.Tensor, group_offsets: torch.Tensor, *, 
     return rows, Fp8Columns(data, scales.T.contiguous(), padded.to(x.device))
 
 
-def fp8_quantize_weights_torch(w: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Weights:
+def fp8_quantize_weights_torch(w: torch.Tensor, *, power_of_two_scales: bool = False,
+                               which: str = "both") -> Fp8Weights:
     """`deep_gemm.quant.fp8_quantize_weights` in PyTorch. w ``[G, N, K]``, N and K multiples of 128."""
     g, n, k = w.shape
     blocks = w.float().reshape(g, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scales = scale_of(blocks.abs().amax(dim=(2, 4)), power_of_two_scales)
     data = to_e4m3(blocks, scales[:, :, None, :, None]).reshape(g, n, k)
-    return Fp8Weights(data, data.transpose(1, 2).contiguous(), scales)
+    return Fp8Weights(data if which != "data_t" else None,
+                      data.transpose(1, 2).contiguous() if which != "data" else None, scales)
 
 
 def dequantize_rows(rows: Fp8Rows) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, RoutingLayout, bf16_mega_moe, build_routing_layout,
-                        check_moe_inputs, fp8_quantize_rows, fp8_weights,
+                        check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights, kept_dgrad_weights,
                         m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, quant_kernels)
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
@@ -121,7 +121,7 @@ def _fp8_forward(ctx, recv_x: Fp8Rows, recv_idx: torch.Tensor, recv_weights: tor
     del act
     y_recv = moe_combine_bf16(rows, layout, recv_weights, h.new_empty(recv_x.data.shape))
     # (the data gradients multiply by the forward's weight copies, quantized once a step)
-    ctx.dgrad_weights = w1.transposed_operand(), w2.transposed_operand()
+    ctx.dgrad_weights = kept_dgrad_weights(w1, w2)
     ctx.save_for_backward(l1, l2, h, recv_x.data, recv_x.scales, layout.offsets, layout.row_token, layout.row_weight,
                           layout.slot_row, layout.slot_valid)
     return y_recv
@@ -136,11 +136,12 @@ def _fp8_backward(ctx, dy: torch.Tensor) -> tuple:
     dy_fp8 = fp8_quantize_rows(dy.contiguous())
     recv_dy = _received_fp8_rows(ctx.buffer.dispatch((dy_fp8.data, dy_fp8.scales), handle=ctx.handle)[0])
     grads = weight_grads(l1, l2, l1.dtype)
-    l1_operand, l2_operand = ctx.dgrad_weights
-    dz, row_dw, dl1_gemm = fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2_operand, layout, landed(layout.offsets), grads)
+    kept1, kept2 = ctx.dgrad_weights or (None, None)  # (None: Fp8WeightCopies.PER_GEMM)
+    dz, row_dw, dl1_gemm = fp8_dgrad_and_dl2(recv_dy, recv_x, h, fp8_dgrad_weights(l2, kept2), layout,
+                                             landed(layout.offsets), grads)
     del h
     dx_rows = dy.new_empty(layout.num_slots, l1.shape[2])
-    m_grouped_fp8_gemm_nt_contiguous(dz, l1_operand, dx_rows, layout.offsets)
+    m_grouped_fp8_gemm_nt_contiguous(dz, fp8_dgrad_weights(l1, kept1), dx_rows, layout.offsets)
     d_recv_x = moe_combine_bf16(dx_rows, layout, None, dx_rows.new_empty(recv_dy.data.shape))
     dx, dtopk, event = ctx.buffer.combine(d_recv_x, ctx.handle, topk_weights=routing_weight_grad(row_dw, layout),
                                           async_finish=True)  # (records its tensors' streams)

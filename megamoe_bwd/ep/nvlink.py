@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
-                        check_expert_ids, check_moe_inputs, fp8_quantize_rows, fp8_weights,
-                        gate_up_swiglu, m_grouped_bf16_gemm_nn_contiguous, m_grouped_bf16_gemm_nt_contiguous,
-                        m_grouped_fp8_gemm_nt_contiguous, moe_gather_rows_bf16, quant_kernels)
+                        check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights,
+                        gate_up_swiglu, kept_dgrad_weights, m_grouped_bf16_gemm_nn_contiguous,
+                        m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous, moe_gather_rows_bf16,
+                        quant_kernels)
 
 from ..backward import (SideStream, dl1_gemm, routing_weight_grad, swiglu_backward_and_dl2, weight_grads)
 from .exchange import (BACKWARD, FP8, announce_call, check_calls, exchange_token_counts, gather_partials,
@@ -91,7 +92,7 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             del rows
             ctx.buffer, ctx.weights_dtype, ctx.fp8 = buffer, topk_weights.dtype, fp8
             # (FP8: the data gradients multiply by the forward's weight copies, quantized once a step)
-            ctx.dgrad_weights = tuple(w.transposed_operand() for w in weights_fp8) if fp8 else None
+            ctx.dgrad_weights = kept_dgrad_weights(*weights_fp8) if fp8 else None
             saved_x = (recv_x.data, recv_x.scales) if fp8 else (recv_x,)
             ctx.save_for_backward(l1, l2, h, runs.offsets, layout.offsets, layout.row_token, layout.row_weight,
                                   layout.slot_row, layout.slot_valid, *saved_x)
@@ -118,8 +119,10 @@ class _NvlinkMegaMoE(torch.autograd.Function):
             if ctx.fp8:
                 recv_x = Fp8Rows(*saved_x)
                 recv_dy, arrival = pull_fp8_tokens(dy_fp8, buffer, "dy", run_offsets)
-                l1_operand, l2_operand = ctx.dgrad_weights
-                dz, row_dw, dl1_gemm_fp8 = fp8_dgrad_and_dl2(recv_dy, recv_x, h, l2_operand, layout, arrival, grads)
+                kept1, kept2 = ctx.dgrad_weights or (None, None)  # (None: Fp8WeightCopies.PER_GEMM)
+                dz, row_dw, dl1_gemm_fp8 = fp8_dgrad_and_dl2(recv_dy, recv_x, h, fp8_dgrad_weights(l2, kept2), layout,
+                                                             arrival, grads)
+                l1_operand = fp8_dgrad_weights(l1, kept1)
                 dx_gemm, dz_operand = m_grouped_fp8_gemm_nt_contiguous, dz
             else:
                 (recv_x,) = saved_x

@@ -7,7 +7,8 @@
 //                           groups), and, when asked, fp8 rows with one scale per 1 x 128 from the
 //                           same loads;
 //   Fp8QuantizeRows         rows [M, K] -> fp8 rows with one scale per 1 x 128 (the GEMMs' A);
-//   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations.
+//   Fp8QuantizeWeights      [G, N, K] -> fp8 with one scale per 128 x 128 block, in both orientations
+//                           or in one (`WeightCopies`).
 // A tile's rows are loaded once, 16-byte accesses, eight in flight per thread, one tile in
 // registers at a time: several CTAs an SM keep loads in flight while others quantize (their grids
 // and CTAs an SM: quant/kernels.py). The transposed copy and the column scales come from a bf16
@@ -155,14 +156,28 @@ struct Fp8QuantizeRows {
 
 struct Fp8QuantizeWeightsParams {
     const __nv_bfloat16* w;  // [G, N, K]
-    uint8_t* q;              // [G, N, K] e4m3
-    uint8_t* qt;             // [G, K, N] e4m3: q's transpose, with the same scales
+    uint8_t* q;              // [G, N, K] e4m3 (written if Copies::kForward)
+    uint8_t* qt;             // [G, K, N] e4m3: q's transpose, with the same scales (if Copies::kTransposed)
     float* scales;           // [G, N / 128, K / 128]
     uint32_t num_groups, n, k;
 };
 
+namespace fp8_quantize {
+
+// Which copies of a weight the weights' kernel writes: the forward's ([G, N, K]), the data
+// gradient's transpose ([G, K, N]), or both from one read of the bf16 weight.
+template <bool kForward_, bool kTransposed_>
+struct WeightCopies {
+    static constexpr bool kForward = kForward_, kTransposed = kTransposed_;
+};
+using BothWeightCopies = WeightCopies<true, true>;
+using ForwardWeightCopy = WeightCopies<true, false>;
+using TransposedWeightCopy = WeightCopies<false, true>;
+
+}  // namespace fp8_quantize
+
 // The transposed copy leaves through shared memory in whole 128-byte rows (`TransposedStage`).
-template <typename ScaleRule>
+template <typename ScaleRule, typename Copies = fp8_quantize::BothWeightCopies>
 struct Fp8QuantizeWeights {
     static constexpr uint32_t kNumThreads = fp8_quantize::kNumThreads;
     struct Smem {
@@ -184,7 +199,8 @@ struct Fp8QuantizeWeights {
             const uint64_t group_base = static_cast<uint64_t>(g) * p.n * p.k;
             TileRegs regs;
             regs.load(p.w + group_base + static_cast<uint64_t>(nb) * kTile * p.k + kb * kTile, p.k, kTile);
-            regs.to_smem(smem.tile);
+            if constexpr (Copies::kTransposed)
+                regs.to_smem(smem.tile);
             float amax = regs.warp_amax();
             if (threadIdx.x % 32 == 0)
                 smem.warp_amax[threadIdx.x / 32] = amax;
@@ -194,19 +210,23 @@ struct Fp8QuantizeWeights {
                 amax = fmaxf(amax, smem.warp_amax[w]);
             const float scale = ScaleRule::of(amax), inv = ptx::reciprocal_of_scale(scale);
 
-            #pragma unroll
-            for (uint32_t i = 0; i < kNumPasses; ++i)
-                regs.store_fp8(i, inv, p.q + group_base + static_cast<uint64_t>(nb * kTile + TileRegs::row(i)) * p.k +
-                                             kb * kTile + TileRegs::col());
-            ColumnPair cols;
-            cols.load(smem.tile);
-            cols.stage_fp8(0, inv, smem.stage);
-            cols.stage_fp8(1, inv, smem.stage);
+            if constexpr (Copies::kForward) {
+                #pragma unroll
+                for (uint32_t i = 0; i < kNumPasses; ++i)
+                    regs.store_fp8(i, inv, p.q + group_base + static_cast<uint64_t>(nb * kTile + TileRegs::row(i)) * p.k +
+                                                 kb * kTile + TileRegs::col());
+            }
             if (threadIdx.x == 0)
                 p.scales[(static_cast<uint64_t>(g) * num_n_blocks + nb) * num_k_blocks + kb] = scale;
-            __syncthreads();
-            TransposedStage::store(smem.stage, p.qt + group_base + static_cast<uint64_t>(kb) * kTile * p.n + nb * kTile,
-                                   p.n);
+            if constexpr (Copies::kTransposed) {
+                ColumnPair cols;
+                cols.load(smem.tile);
+                cols.stage_fp8(0, inv, smem.stage);
+                cols.stage_fp8(1, inv, smem.stage);
+                __syncthreads();
+                TransposedStage::store(smem.stage, p.qt + group_base + static_cast<uint64_t>(kb) * kTile * p.n +
+                                                       nb * kTile, p.n);
+            }
             __syncthreads();  // the tile, the stage and warp_amax are free for the next tile
         }
     }
