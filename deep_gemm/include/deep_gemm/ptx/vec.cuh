@@ -7,11 +7,21 @@ namespace deep_gemm::ptx {
 
 constexpr uint32_t kBF16PerVec = 8;
 
+// A bf16 pair as two floats, exactly: each value's 16 bits become a float's high half, by one
+// shift and one mask (`__bfloat1622float2` takes a byte permute and a shift for the high one).
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t pair) {
+    return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+}
+
+__device__ __forceinline__ float2 bf16x2_to_float2(const __nv_bfloat162& pair) {
+    return bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(&pair));
+}
+
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&out)[kBF16PerVec]) {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (uint32_t i = 0; i < kBF16PerVec / 2; ++i) {
-        const float2 v = __bfloat1622float2(pairs[i]);
+        const float2 v = bf16x2_to_float2(words[i]);
         out[2 * i] = v.x, out[2 * i + 1] = v.y;
     }
 }

@@ -176,7 +176,7 @@ private:
             float v[4];
             #pragma unroll
             for (uint32_t j = 0; j < 4; ++j) {
-                const float2 pair = __bfloat1622float2(x[r + 4 * w + j]);
+                const float2 pair = ptx::bf16x2_to_float2(x[r + 4 * w + j]);
                 v[j] = (which == 0 ? pair.x : pair.y) * inv;
             }
             words[w] = ptx::pack_e4m3x4(v[0], v[1], v[2], v[3]);
