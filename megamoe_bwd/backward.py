@@ -293,8 +293,8 @@ def fp8_mega_moe_backward(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, 
     offsets, inter = layout.offsets, l2.shape[2]
     if dy.is_cuda:
         build_fp8_kernels(grads)
-    # the forward's copies, or (a handle without them: Fp8WeightCopies.PER_GEMM) each made just
-    # before its GEMM and dropped after it
+    # the forward's copies, or (a handle without them: Fp8WeightCopies.PER_GEMM, or made by hand)
+    # each made just before its GEMM and dropped after it
     kept1, kept2 = handle.dgrad_weights or (None, None)
     # (dy's and x's routed rows are gathered by the quantization's loads: no routed bf16 copy)
     # dy quantized per token as rows (dA's GEMM gathers them: T rows written, not T * K) and, from

@@ -141,6 +141,20 @@ def test_per_gemm_copies_hold_the_forward_orientation_and_are_never_cached():
     assert torch.equal(scales_t, both.scales.transpose(1, 2))
 
 
+def test_a_backward_without_the_forwards_copies_caches_none(emulated_gemms):
+    """A forward under PER_GEMM keeps no copy; its backward makes its own whatever the policy is
+    by then (here PER_STEP again), and caches none."""
+    from deep_gemm.moe import fp8 as moe_fp8
+    p = make_moe_inputs(64, 128, 128, 4, 2, seed=7)
+    x, topk_idx, topk_weights, l1, l2, dy = (p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy"))
+    layout = build_routing_layout(topk_idx, topk_weights, l1.shape[0])
+    with weight_copies(deep_gemm.Fp8WeightCopies.PER_GEMM):
+        h = fp8_moe_forward(x, layout, topk_weights, fp8_weights(l1), fp8_weights(l2), torch.empty_like(x))
+    invalidate_fp8_weights()
+    mega_moe_backward(dy, l1, l2, MegaMoEHandle(layout, x, h, recipe="fp8"))
+    assert len(moe_fp8._weight_cache) == 0
+
+
 def test_switching_to_per_call_drops_the_cached_copies():
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     cached = weakref.ref(fp8_weights(w))

@@ -120,12 +120,11 @@ def fp8_dgrad_weights(w: torch.Tensor, kept: Optional[tuple[torch.Tensor, torch.
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """B of a data gradient's FP8 GEMM for expert weight w ``[E, N, K]`` bf16: ``(data_t [E, K,
     N] e4m3, scales [E, K / 128, N / 128])``. `kept` (the forward's, `kept_dgrad_weights`) if
-    given; else the cached copy's (PER_STEP), or a new transposed copy alone, not cached
-    (PER_CALL, PER_GEMM, CUDA-graph capture): the bits of the forward's copy either way."""
+    given; else a new transposed copy alone, never cached, whatever the policy is by the time
+    the backward runs (a forward under PER_GEMM, or a handle made by hand): the bits of the
+    forward's copy either way."""
     if kept is not None:
         return kept
-    if _copies is Fp8WeightCopies.PER_STEP and not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return fp8_weights(w).transposed_operand()
     return fp8_quantize_weights(w, which="data_t").transposed_operand()
 
 
