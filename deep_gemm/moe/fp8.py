@@ -39,8 +39,9 @@ class Fp8WeightCopies(enum.Enum):
     PER_GEMM: each orientation is made just before the GEMMs that read it and freed after them:
     the forward's copies by the forward (the forward orientation only), each data gradient's
     transposed copy by the backward just before its GEMM (the same bits). Nothing is held from
-    the forward to the backward, so the layer's peak is no higher than bf16's, at one more read
-    of each bf16 weight per forward and backward (docs/PERF.md, "Decisions": FP8 weight copies)."""
+    the forward to the backward: the layer's peak measured no higher than bf16's at the 30B and
+    235B shapes, at one more read of each bf16 weight per forward and backward (docs/PERF.md,
+    "Decisions": FP8 weight copies)."""
 
     PER_STEP = "per_step"
     PER_CALL = "per_call"
