@@ -226,8 +226,7 @@ def build_fp8_kernels(grads: WeightGrads) -> None:
         k_grouped_fp8.get_kernel(dtype, accumulate)
     quant_kernels.get_kernel("rows", False)  # dy rows
     quant_kernels.get_kernel("activations", False)  # dy and x columns
-    for weights in ("weights", "weights_data_t"):  # data gradients' copies not kept by the forward
-        quant_kernels.get_kernel(weights, False)
+    quant_kernels.get_kernel("weights_data_t", False)  # data gradients' copies the forward did not keep
     moe_kernels_fp8.get_kernel(False)
     kernels.get_kernel("moe_combine")
 
