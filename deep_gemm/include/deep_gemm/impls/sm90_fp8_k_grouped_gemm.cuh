@@ -176,7 +176,7 @@ struct Sm90FP8KGroupedGemm {
                 }
                 if (not kStoreBeside and pending)
                     store(done_group, done_m, done_n), pending = false;
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true, ProbeAtRelease>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     tc_scales::Every{scales},
                     [&](uint32_t stage) {

@@ -179,6 +179,27 @@ struct NoTurns {
     __device__ __forceinline__ void finish() const {}
 };
 
+// How a warpgroup learns that the next stage has landed. WaitAtIssue: it waits on the stage's
+// full barrier just before the stage's first MMAs. ProbeAtRelease: it probes the barrier once it
+// has released the previous stage, so that the probe's latency passes beside the promotion's FFMAs,
+// and waits at the issue only if the stage had not landed then (docs/PERF.md, "Decisions": where
+// the weight gradient waits for a stage).
+struct WaitAtIssue {
+    __device__ __forceinline__ void probe(ptx::MBarrier*, uint32_t) {}
+    __device__ __forceinline__ void wait(ptx::MBarrier* full, uint32_t phase) { full->wait(phase); }
+};
+
+struct ProbeAtRelease {
+    bool landed = false;
+
+    __device__ __forceinline__ void probe(ptx::MBarrier* full, uint32_t phase) { landed = full->try_wait(phase); }
+    __device__ __forceinline__ void wait(ptx::MBarrier* full, uint32_t phase) {
+        if (not landed)
+            full->wait(phase);
+        landed = false;
+    }
+};
+
 // consume_k_blocks_fp8's `after_first` by default: nothing.
 struct NoWork {
     __device__ __forceinline__ void operator()() const {}
@@ -193,7 +214,8 @@ struct NoWork {
 // producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
 // landed and before any MMA reads it; `after_first()` once the tile's first MMAs are issued (work
 // that then overlaps them, e.g. the scheduler's next tile; also called when there is no k-block).
-// `turns` (IssueTurns, NoTurns) is called around each batch of MMAs issued.
+// `turns` (IssueTurns, NoTurns) is called around each batch of MMAs issued; StageWait (WaitAtIssue,
+// ProbeAtRelease) is how the warpgroup waits for a stage.
 // kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
@@ -201,7 +223,7 @@ struct NoWork {
 // 0's promotion overwrites acc, which the caller need not zero (e.g. while `after_first` still
 // stores it); it needs num_k_blocks >= 1 (the launchers refuse K = 0), else acc keeps old sums.
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
-          typename Turns = NoTurns, bool kFirstOverwrites = false, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
+          typename Turns = NoTurns, bool kFirstOverwrites = false, typename StageWait = WaitAtIssue, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma,
@@ -220,6 +242,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     const uint64_t desc_a0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0));
     const uint64_t desc_b0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.b(0), 0));
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
+    StageWait stage_wait;
     // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
     // the stage, the last moves on to the next.
     const auto issue = [&](Part& part, auto cols) {
@@ -229,7 +252,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         const uint64_t desc_a = advance_desc(desc_a0, stage * Smem::kBytesA);
         const uint64_t desc_b = advance_desc(desc_b0, stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
-            smem.full(next.stage)->wait(next.phase);
+            stage_wait.wait(smem.full(next.stage), next.phase);
             timeline::mark(timeline::kStageLanded, next.stage);
             before_mma(next.stage);
         }
@@ -255,6 +278,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         if constexpr (kCols + 1 == kNumProducts) {
             smem.empty(pipe.stage)->arrive();
             pipe.template advance<kNumStages>();
+            stage_wait.probe(smem.full(next.stage), next.phase);
         }
         s.template promote<decltype(fresh)::value>(part, *reinterpret_cast<Part*>(acc + kCols * kProduct));
     };
