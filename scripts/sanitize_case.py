@@ -18,6 +18,7 @@ from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16  # noqa: E402
+from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from deep_gemm.utils import num_sms_capped  # noqa: E402
@@ -103,5 +104,14 @@ y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["
 mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 with num_sms_capped(1):  # one CTA a kernel: each GEMM epilogue runs beside the next tile's first product
     deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
+# The FP8 SwiGLU backward over three column blocks (I = 384: each next block's gate and up halves
+# copied while the column quantization runs), one CTA a block and one CTA walking every block.
+p = make_moe_inputs(100, 128, 384, 8, 4, device="cuda", empty_slot_frac=0.2)
+layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
+h_fp8 = torch.randn(layout.num_slots, 2 * 384, device="cuda", dtype=torch.bfloat16)
+d_act_fp8 = torch.randn(layout.num_slots, 384, device="cuda", dtype=torch.bfloat16)
+moe_swiglu_bwd_fp8(h_fp8, d_act_fp8, layout)
+with num_sms_capped(1):
+    moe_swiglu_bwd_fp8(h_fp8, d_act_fp8, layout)
 torch.cuda.synchronize()
 print("sanitize case done")
