@@ -104,8 +104,8 @@ y, handle = deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["
 mega_moe_backward(p["dy"], p["l1"], p["l2"], handle)
 with num_sms_capped(1):  # one CTA a kernel: each GEMM epilogue runs beside the next tile's first product
     deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
-# The FP8 SwiGLU backward over three column blocks (I = 384: each next block's gate and up halves
-# copied while the column quantization runs), one CTA a block and one CTA walking every block.
+# The FP8 SwiGLU backward over three column blocks (I = 384; the layer above has one), one CTA a
+# block and one CTA walking every block.
 p = make_moe_inputs(100, 128, 384, 8, 4, device="cuda", empty_slot_frac=0.2)
 layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
 h_fp8 = torch.randn(layout.num_slots, 2 * 384, device="cuda", dtype=torch.bfloat16)
