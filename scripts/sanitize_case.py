@@ -108,10 +108,10 @@ with num_sms_capped(1):  # one CTA a kernel: each GEMM epilogue runs beside the 
 # block and one CTA walking every block.
 p = make_moe_inputs(100, 128, 384, 8, 4, device="cuda", empty_slot_frac=0.2)
 layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
-h_fp8 = torch.randn(layout.num_slots, 2 * 384, device="cuda", dtype=torch.bfloat16)
-d_act_fp8 = torch.randn(layout.num_slots, 384, device="cuda", dtype=torch.bfloat16)
-moe_swiglu_bwd_fp8(h_fp8, d_act_fp8, layout)
+h_bwd = torch.randn(layout.num_slots, 2 * 384, device="cuda", dtype=torch.bfloat16)
+d_act_bwd = torch.randn(layout.num_slots, 384, device="cuda", dtype=torch.bfloat16)
+moe_swiglu_bwd_fp8(h_bwd, d_act_bwd, layout)
 with num_sms_capped(1):
-    moe_swiglu_bwd_fp8(h_fp8, d_act_fp8, layout)
+    moe_swiglu_bwd_fp8(h_bwd, d_act_bwd, layout)
 torch.cuda.synchronize()
 print("sanitize case done")
