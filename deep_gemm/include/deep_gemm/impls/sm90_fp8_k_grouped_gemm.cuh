@@ -143,6 +143,7 @@ struct Sm90FP8KGroupedGemm {
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             float acc[BLOCK_N / 2];
             tc_scales::Products scales;  // the k-block's, issued before its FP8 MMAs
+            ProbeAtRelease stage_wait;   // (across tiles: a tile's last probe is of the next one's first stage)
             // The next tile is found while this tile's first MMAs run, and the previous tile's
             // epilogue runs beside them too (kStoreBeside) or just before: the first k-block's
             // promotion then overwrites acc (docs/PERF.md, "Decisions": epilogue beside the next
@@ -176,7 +177,7 @@ struct Sm90FP8KGroupedGemm {
                 }
                 if (not kStoreBeside and pending)
                     store(done_group, done_m, done_n), pending = false;
-                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true, ProbeAtRelease>(
+                consume_k_blocks_fp8<BLOCK_N, kProductN, kNumStages, kNumProductSets, NoTurns, true>(
                     smem, pipe, num_k_blocks, wg * 64 * kSwizzleBytes, acc,
                     tc_scales::Every{scales},
                     [&](uint32_t stage) {
@@ -186,7 +187,8 @@ struct Sm90FP8KGroupedGemm {
                         more = scheduler.next(upcoming);
                         if (kStoreBeside and pending)
                             store(done_group, done_m, done_n);
-                    });
+                    },
+                    NoTurns(0), stage_wait);
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 defer_store(tile);
                 tile = upcoming;

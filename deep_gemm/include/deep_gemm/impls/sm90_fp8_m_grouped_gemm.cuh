@@ -131,6 +131,7 @@ struct Sm90FP8MGroupedGemm {
             float acc[BLOCK_N / 2];
             const Turns turns(wg);
             turns.prime();
+            WaitAtIssue stage_wait;
             // The next tile is found while this tile's first MMAs run: the scheduler's walk then
             // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic); so
             // does the previous tile's epilogue with kEpilogueBesideNextTile.
@@ -163,7 +164,7 @@ struct Sm90FP8MGroupedGemm {
                                 timeline::mark(timeline::kEpilogueEnd, tile.group);
                             }
                         }
-                    }, turns);
+                    }, turns, stage_wait);
                 timeline::mark(timeline::kMainloopEnd, tile.group);
                 if constexpr (kEpilogueBesideNextTile) {
                     done = rows, pending = true;

@@ -183,7 +183,8 @@ struct NoTurns {
 // full barrier just before the stage's first MMAs. ProbeAtRelease: it probes the barrier once it
 // has released the previous stage, so that the probe's latency passes beside the promotion's FFMAs,
 // and waits at the issue only if the stage had not landed then (docs/PERF.md, "Decisions": where
-// the weight gradient waits for a stage).
+// the weight gradient waits for a stage). The caller keeps it across tiles, as it keeps its
+// PipelineState: a tile's last probe is of the next tile's first stage.
 struct WaitAtIssue {
     __device__ __forceinline__ void probe(ptx::MBarrier*, uint32_t) {}
     __device__ __forceinline__ void wait(ptx::MBarrier* full, uint32_t phase) { full->wait(phase); }
@@ -200,11 +201,6 @@ struct ProbeAtRelease {
     }
 };
 
-// consume_k_blocks_fp8's `after_first` by default: nothing.
-struct NoWork {
-    __device__ __forceinline__ void operator()() const {}
-};
-
 // One math warpgroup's FP8 mainloop over 64 x BLOCK_N, in products of kProductN columns (m64nNk32
 // MMAs; e.g. BLOCK_N = 256 in two of 128, the accumulators of the second after the first's, which
 // is the m64n256 layout the epilogues read). `scales(stage, k_block, cols)` returns the scales of a
@@ -214,8 +210,8 @@ struct NoWork {
 // producer refills it while this warpgroup promotes. `before_mma(stage)` runs after the stage has
 // landed and before any MMA reads it; `after_first()` once the tile's first MMAs are issued (work
 // that then overlaps them, e.g. the scheduler's next tile; also called when there is no k-block).
-// `turns` (IssueTurns, NoTurns) is called around each batch of MMAs issued; StageWait (WaitAtIssue,
-// ProbeAtRelease) is how the warpgroup waits for a stage.
+// `turns` (IssueTurns, NoTurns) is called around each batch of MMAs issued; `stage_wait`
+// (WaitAtIssue, ProbeAtRelease) is how the warpgroup waits for a stage.
 // kNumProductSets = 2 (one product a k-block only) alternates two sets of fresh
 // products: block k + 1's MMAs are issued before block k is promoted, so the tensor cores have
 // work queued while this warpgroup waits and promotes. With 1, each product is issued, awaited and
@@ -223,12 +219,12 @@ struct NoWork {
 // 0's promotion overwrites acc, which the caller need not zero (e.g. while `after_first` still
 // stores it); it needs num_k_blocks >= 1 (the launchers refuse K = 0), else acc keeps old sums.
 template <uint32_t BLOCK_N, uint32_t kProductN, uint32_t kNumStages, uint32_t kNumProductSets,
-          typename Turns = NoTurns, bool kFirstOverwrites = false, typename StageWait = WaitAtIssue, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst = NoWork>
+          typename Turns, bool kFirstOverwrites, typename StageWait, typename Smem, typename Scales, typename BeforeMMA, typename AfterFirst>
 __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
                                                      uint32_t a_offset, float (&acc)[BLOCK_N / 2],
                                                      const Scales& scales, const BeforeMMA& before_mma,
-                                                     const AfterFirst& after_first = {},
-                                                     const Turns& turns = Turns(0)) {
+                                                     const AfterFirst& after_first, const Turns& turns,
+                                                     StageWait& stage_wait) {
     constexpr uint32_t kProduct = kProductN / 2;  // a thread's accumulators of one 64 x kProductN product
     constexpr uint32_t kNumProducts = BLOCK_N / kProductN;
     static_assert(BLOCK_N % kProductN == 0 and
@@ -242,7 +238,6 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     const uint64_t desc_a0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.a(0) + a_offset, 0));
     const uint64_t desc_b0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem.b(0), 0));
     PipelineState next = pipe;  // the stage the next MMAs read; `pipe` is the next to promote
-    StageWait stage_wait;
     // Product `cols` (a std::integral_constant) of the next stage's k-block; the first waits for
     // the stage, the last moves on to the next.
     const auto issue = [&](Part& part, auto cols) {
