@@ -2,7 +2,7 @@
 # One full GPU check, run on the device machine from the repository root:
 #   bash scripts/device_check.sh
 # Steps (STEPS=install,precompile,tests,sass,sanitizer,bench,fp8_bench,quant_bench,moe_bench,train by
-# default, and ncu_fp8 on request; TEST_GROUPS picks test groups): the offline editable install, imported from another
+# default, and ncu_fp8 and microbench on request; TEST_GROUPS picks test groups): the offline editable install, imported from another
 # directory; every kernel variant compiled in parallel (python -m deep_gemm.precompile); the GPU
 # tests; WGMMA / local-memory check of every cached GEMM; compute-sanitizer memcheck and
 # racecheck on a small case; the GEMM benchmark (BENCH_ARGS), its FP8 rows (FP8_BENCH_ARGS);
@@ -90,6 +90,13 @@ if has ncu_fp8; then  # (not in the default steps) Nsight Compute on the 30B for
     echo "[ncu $who] $(grep -E '^  [a-z_]+.*\(' "$OUT/ncu_fp8_$who.log" | head -1)"
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|No Eligible|Registers Per Thread|lts__t_sectors_srcunit|xbar2l1tex" \
       "$OUT/ncu_fp8_$who.log" | head -18 | sed "s/^/[ncu $who] /"
+  done
+fi
+if has microbench; then  # (not in the default steps) the FP8 mainloop's MMA structure and its stage-ring skeleton (docs/PERF.md, session 42)
+  for bench in fp8_mma_structure fp8_mainloop_ring; do
+    nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I deep_gemm/include \
+      scripts/microbench/$bench.cu -o "$OUT/$bench" -lcuda || continue
+    for ms in 5 400; do timeout -s KILL 120 "$OUT/$bench" $ms; done 2>&1 | tee -a "$OUT/microbench.log"
   done
 fi
 if has train; then

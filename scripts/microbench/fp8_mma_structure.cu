@@ -1,0 +1,126 @@
+// The FP8 m-grouped mainloop's MMA structure alone (docs/PERF.md, session 42): two math warpgroups a
+// CTA, one CTA an SM, issue the four k32 MMAs of a 128-deep k-block into fresh registers, wait for
+// them and promote them into fp32 sums, over and over, on fixed random e4m3 operands in shared memory:
+// no loads, no stage ring, no epilogue. Prints clocks a k-block and the share of the tensor cores'
+// FP8 rate (4096 MACs a clock an SM) per product width, with and without MMA turns.
+//   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//        -I deep_gemm/include scripts/microbench/fp8_mma_structure.cu -o /tmp/fp8_mma_structure
+//   /tmp/fp8_mma_structure [ms a launch]   (5: bursts; 400: the power-capped steady state)
+// (Every product is promoted: ptxas drops MMAs whose products are never read.)
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <vector>
+#include <cuda_runtime.h>
+#include <deep_gemm/mma/wgmma.cuh>
+#include <deep_gemm/mma/wgmma_fp8.cuh>
+#include <deep_gemm/ptx/utils.cuh>
+
+using namespace deep_gemm;
+using namespace deep_gemm::mma;
+
+template <int N, int kProducts, bool kTurns>
+__global__ void __launch_bounds__(256, 1) bench(int iters, float* out, long long* cycles) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    constexpr int kBytesA = 2 * 64 * 128, kBytesB = kProducts * N * 128;
+    for (int i = threadIdx.x; i < (kBytesA + kBytesB) / 4; i += blockDim.x) {
+        uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 97u);
+        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+        reinterpret_cast<uint32_t*>(smem)[i] = h & 0x77777777u;  // e4m3 without NaN (|x| < 448)
+    }
+    float* scales = reinterpret_cast<float*>(smem + kBytesA + kBytesB);
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+        scales[i] = 1.0f + 0.001f * i;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const uint32_t wg = threadIdx.x / 128;
+    const uint64_t desc_a = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem + wg * 64 * 128, 0));
+    const uint64_t desc_b = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem + kBytesA, 0));
+    float part[N / 2];
+    float acc[kProducts * N / 2];
+    #pragma unroll
+    for (int i = 0; i < kProducts * N / 2; ++i)
+        acc[i] = 0.0f;
+    if (kTurns and wg == 1)
+        ptx::named_barrier_arrive(9, 256);
+    const long long start = clock64();
+    for (int it = 0; it < iters; ++it) {
+        #pragma unroll
+        for (int p = 0; p < kProducts; ++p) {
+            const float s = ptx::ld_shared_f32(scales + (it + p) % 256);
+            if (kTurns)
+                ptx::named_barrier_sync(8 + (wg ^ 1), 256);
+            warpgroup_fence_operand(part);
+            warpgroup_arrive();
+            #pragma unroll
+            for (int k = 0; k < 4; ++k)
+                WGMMAFp8<N>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, p * N * 128 + k * 32), part, k > 0);
+            warpgroup_commit_batch();
+            if (kTurns)
+                ptx::named_barrier_arrive(8 + wg, 256);
+            warpgroup_fence_operand(part);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(part);
+            #pragma unroll
+            for (int i = 0; i < N / 2; ++i)
+                acc[p * N / 2 + i] = fmaf(part[i], s, acc[p * N / 2 + i]);
+        }
+    }
+    const long long stop = clock64();
+    if (kTurns and wg == 0)
+        ptx::named_barrier_sync(9, 256);
+    float sum = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < kProducts * N / 2; ++i)
+        sum += acc[i];
+    out[blockIdx.x * 256 + threadIdx.x] = sum;
+    if (threadIdx.x == 0)
+        cycles[blockIdx.x] = stop - start;
+}
+
+template <int N, int kProducts, bool kTurns>
+void run(const char* name, int num_sms, float* out, long long* cycles, double target_ms) {
+    constexpr int smem = 2 * 64 * 128 + kProducts * N * 128 + 1024;
+    auto kernel = bench<N, kProducts, kTurns>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    int iters = 256;
+    float ms = 0.0f;
+    for (int round = 0; round < 8; ++round) {  // grow iters to the target time
+        cudaEventRecord(e0);
+        kernel<<<num_sms, 256, smem>>>(iters, out, cycles);
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (cudaGetLastError() != cudaSuccess) { printf("%s: launch failed\n", name); exit(1); }
+        if (ms >= 0.8 * target_ms) break;
+        iters = static_cast<int>(iters * target_ms / (ms > 0.01f ? ms : 0.01f));
+    }
+    std::vector<long long> c(num_sms);
+    cudaMemcpy(c.data(), cycles, num_sms * sizeof(long long), cudaMemcpyDeviceToHost);
+    double cyc = 0;
+    for (long long x : c) cyc += x;
+    cyc /= num_sms;
+    const double macs_per_kblock = 2.0 * kProducts * 64 * N * 128;  // both warpgroups
+    const double cpk = cyc / iters;
+    printf("%-34s %6.0f ms  %8.1f clk/k-block  %5.1f%% of 4096 MAC/clk  %5.0f MHz  %6.0f TFLOPS\n", name, ms, cpk,
+           100.0 * macs_per_kblock / (4096.0 * cpk), cyc / (ms * 1e3), 2.0 * macs_per_kblock * iters * num_sms / (ms * 1e9));
+}
+
+int main(int argc, char** argv) {
+    const double target_ms = argc > 1 ? atof(argv[1]) : 50.0;
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    float* out;
+    long long* cycles;
+    cudaMalloc(&out, num_sms * 256 * sizeof(float));
+    cudaMalloc(&cycles, num_sms * sizeof(long long));
+    printf("target %.0f ms a launch, %d CTAs of two math warpgroups\n", target_ms, num_sms);
+    run<128, 1, false>("64 x 128 products, one a k-block", num_sms, out, cycles, target_ms);
+    run<128, 2, false>("64 x 128 products, two a k-block", num_sms, out, cycles, target_ms);
+    run<128, 2, true>("64 x 128 products, two a k-block, turns", num_sms, out, cycles, target_ms);
+    run<192, 1, false>("64 x 192 products, one a k-block", num_sms, out, cycles, target_ms);
+    run<192, 1, true>("64 x 192 products, one a k-block, turns", num_sms, out, cycles, target_ms);
+    return 0;
+}
