@@ -8,12 +8,8 @@
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //        -I deep_gemm/include scripts/microbench/fp8_mainloop_ring.cu -o /tmp/fp8_mainloop_ring -lcuda
 //   /tmp/fp8_mainloop_ring [ms a launch]   (5: bursts; 400: the power-capped steady state)
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
 #include <cuda.h>
-#include <cuda_runtime.h>
+#include "timing.cuh"
 #include <deep_gemm/ptx/tma.cuh>
 #include <deep_gemm/mma/wgmma.cuh>
 #include <deep_gemm/mma/wgmma_fp8.cuh>
@@ -33,9 +29,7 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 
 __global__ void fill_random(uint32_t* p, uint64_t n) {
     for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        uint32_t h = static_cast<uint32_t>(i) * 2654435761u;
-        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-        p[i] = h & 0x77777777u;
+        p[i] = random_e4m3x4(static_cast<uint32_t>(i), 0);
     }
 }
 
@@ -49,8 +43,7 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
     ptx::MBarrier* empty = full + kStages;
     // fixed random e4m3 operands in every stage (kMode 0 never overwrites them)
     for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
-        uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 97u);
-        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+        const uint32_t h = random_u32(i, blockIdx.x * 97u);
         const bool scale = (i * 4) % kStageBytes >= kBytesA + kBytesB;
         reinterpret_cast<uint32_t*>(smem)[i] = scale ? __float_as_uint(1.0f + (h & 255) * 1e-3f) : (h & 0x77777777u);
     }
@@ -155,30 +148,13 @@ void run(const char* name, int num_sms, const uint8_t* src, uint64_t src_blocks,
     constexpr int smem = kStages * kStageBytes + 2 * kStages * 8;
     auto kernel = bench<kStages, kMode, kWarpRelease>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    int iters = 256;
-    float ms = 0.0f;
-    for (int round = 0; round < 8; ++round) {
-        cudaEventRecord(e0);
+    const Timing t = time_launches(name, num_sms, cycles, target_ms, [&](int iters) {
         kernel<<<num_sms, 384, smem>>>(iters, src, src_blocks, out, cycles, maps);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (cudaGetLastError() != cudaSuccess) { printf("%s: launch failed\n", name); exit(1); }
-        if (ms >= 0.8 * target_ms) break;
-        iters = static_cast<int>(iters * target_ms / (ms > 0.01f ? ms : 0.01f));
-    }
-    std::vector<long long> c(num_sms);
-    cudaMemcpy(c.data(), cycles, num_sms * sizeof(long long), cudaMemcpyDeviceToHost);
-    double cyc = 0;
-    for (long long x : c) cyc += x;
-    cyc /= num_sms;
+    });
     const double macs = 2.0 * 2 * 64 * 128 * 128;  // a k-block: both warpgroups, two products
-    const double cpk = cyc / iters;
-    printf("%-44s %5.0f ms %8.1f clk/k-block %6.1f%% of peak a clock %5.0f MHz %6.0f TFLOPS %6.2f TB/s loaded\n", name, ms,
-           cpk, 100.0 * macs / (4096.0 * cpk), cyc / (ms * 1e3), 2.0 * macs * iters * num_sms / (ms * 1e9),
-           kMode ? 48.0 * 1024 * iters * num_sms / (ms * 1e9) : 0.0);
+    printf("%-44s %5.0f ms %8.1f clk/k-block %6.1f%% of peak a clock %5.0f MHz %6.0f TFLOPS %6.2f TB/s loaded\n", name, t.ms,
+           t.cycles_per_iter, 100.0 * macs / (4096.0 * t.cycles_per_iter), t.mhz,
+           2.0 * macs * t.iters * num_sms / (t.ms * 1e9), kMode ? 48.0 * 1024 * t.iters * num_sms / (t.ms * 1e9) : 0.0);
 }
 
 int main(int argc, char** argv) {

@@ -7,11 +7,7 @@
 //        -I deep_gemm/include scripts/microbench/fp8_mma_structure.cu -o /tmp/fp8_mma_structure
 //   /tmp/fp8_mma_structure [ms a launch]   (5: bursts; 400: the power-capped steady state)
 // (Every product is promoted: ptxas drops MMAs whose products are never read.)
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <vector>
-#include <cuda_runtime.h>
+#include "timing.cuh"
 #include <deep_gemm/mma/wgmma.cuh>
 #include <deep_gemm/mma/wgmma_fp8.cuh>
 #include <deep_gemm/ptx/utils.cuh>
@@ -24,9 +20,7 @@ __global__ void __launch_bounds__(256, 1) bench(int iters, float* out, long long
     extern __shared__ __align__(1024) uint8_t smem[];
     constexpr int kBytesA = 2 * 64 * 128, kBytesB = kProducts * N * 128;
     for (int i = threadIdx.x; i < (kBytesA + kBytesB) / 4; i += blockDim.x) {
-        uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 97u);
-        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-        reinterpret_cast<uint32_t*>(smem)[i] = h & 0x77777777u;  // e4m3 without NaN (|x| < 448)
+        reinterpret_cast<uint32_t*>(smem)[i] = random_e4m3x4(i, blockIdx.x * 97u);
     }
     float* scales = reinterpret_cast<float*>(smem + kBytesA + kBytesB);
     for (int i = threadIdx.x; i < 256; i += blockDim.x)
@@ -83,29 +77,12 @@ void run(const char* name, int num_sms, float* out, long long* cycles, double ta
     constexpr int smem = 2 * 64 * 128 + kProducts * N * 128 + 1024;
     auto kernel = bench<N, kProducts, kTurns>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    int iters = 256;
-    float ms = 0.0f;
-    for (int round = 0; round < 8; ++round) {  // grow iters to the target time
-        cudaEventRecord(e0);
-        kernel<<<num_sms, 256, smem>>>(iters, out, cycles);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (cudaGetLastError() != cudaSuccess) { printf("%s: launch failed\n", name); exit(1); }
-        if (ms >= 0.8 * target_ms) break;
-        iters = static_cast<int>(iters * target_ms / (ms > 0.01f ? ms : 0.01f));
-    }
-    std::vector<long long> c(num_sms);
-    cudaMemcpy(c.data(), cycles, num_sms * sizeof(long long), cudaMemcpyDeviceToHost);
-    double cyc = 0;
-    for (long long x : c) cyc += x;
-    cyc /= num_sms;
+    const Timing t = time_launches(name, num_sms, cycles, target_ms,
+                                   [&](int iters) { kernel<<<num_sms, 256, smem>>>(iters, out, cycles); });
     const double macs_per_kblock = 2.0 * kProducts * 64 * N * 128;  // both warpgroups
-    const double cpk = cyc / iters;
-    printf("%-34s %6.0f ms  %8.1f clk/k-block  %5.1f%% of 4096 MAC/clk  %5.0f MHz  %6.0f TFLOPS\n", name, ms, cpk,
-           100.0 * macs_per_kblock / (4096.0 * cpk), cyc / (ms * 1e3), 2.0 * macs_per_kblock * iters * num_sms / (ms * 1e9));
+    printf("%-40s %6.0f ms  %8.1f clk/k-block  %5.1f%% of 4096 MAC/clk  %5.0f MHz  %6.0f TFLOPS\n", name, t.ms,
+           t.cycles_per_iter, 100.0 * macs_per_kblock / (4096.0 * t.cycles_per_iter), t.mhz,
+           2.0 * macs_per_kblock * t.iters * num_sms / (t.ms * 1e9));
 }
 
 int main(int argc, char** argv) {
