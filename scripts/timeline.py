@@ -32,6 +32,7 @@ from deep_gemm.testing import random_group_sizes  # noqa: E402
 
 # ptx/trace.cuh's timeline::Event
 TILE_START, STAGE_LANDED, MAINLOOP_END, EPILOGUE_END, LOADS_ISSUED = 1, 2, 3, 4, 5
+WAITS_BASE = 16  # its Wait sums: event WAITS_BASE + index
 # bench_gemm.py's (fp32 out for wgrad), and GEMM1 with gathered rows; the SwiGLU forms with an e4m3
 # act do not launch with the timeline's shared counters (their shared memory is within 1 KB of the limit)
 GEMMS = ("fwd1", "fwd2", "dgrad1", "dgrad2", "wgrad1", "wgrad2", "fwd1 gather")
@@ -81,6 +82,29 @@ def summarize(records: torch.Tensor) -> list[str]:
     return lines
 
 
+def waits(records: torch.Tensor) -> list[str]:
+    """Lines of the math warpgroups' summed waits (ptx/trace.cuh's Waits), per k-block."""
+    names = ("waiting for a stage", "waiting for MMAs", "waiting for the turn", "beside the first MMAs",
+             "inside the mainloop", "k-blocks", "the scheduler's walk")
+    sums = [0] * len(names)
+    for cta in records:
+        for rows in cta.tolist()[:2]:
+            for _, tag in rows:
+                event, value = tag >> 24, tag & 0xFFFFFF
+                if WAITS_BASE <= event < WAITS_BASE + len(names):
+                    sums[event - WAITS_BASE] += value
+    walk = sums.pop()
+    k_blocks = sums.pop()
+    if not k_blocks:
+        return []
+    lines = [f"math warpgroups, per k-block (over {k_blocks}):"]
+    lines += [f"  {name:<24} {total / k_blocks:8.1f} clocks" for name, total in zip(names, sums)]
+    lines.append(f"  {'  of it the next tile':<24} {walk / k_blocks:8.1f} clocks (the walk, or its read)")
+    rest = sums[-1] - sum(sums[:-1])
+    lines.append(f"  {'the rest (issue, promote)':<24} {rest / k_blocks:8.1f} clocks")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="30b", choices=sorted(MODELS))
@@ -96,7 +120,9 @@ def main() -> None:
     run()
     torch.cuda.synchronize()
     print(f"{args.model} {args.gemm} ({args.routing}), CTAs 0-7, math warpgroups' means:")
-    print("\n".join(summarize(buffer.cpu())))
+    records = buffer.cpu()
+    print("\n".join(summarize(records)))
+    print("\n".join(waits(records)))
 
 
 if __name__ == "__main__":

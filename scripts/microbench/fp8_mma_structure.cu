@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
     cudaMalloc(&cycles, num_sms * sizeof(long long));
     printf("target %.0f ms a launch, %d CTAs of two math warpgroups\n", target_ms, num_sms);
     run<128, 1, false>("64 x 128 products, one a k-block", num_sms, out, cycles, target_ms);
+    run<128, 1, true>("64 x 128 products, one a k-block, turns", num_sms, out, cycles, target_ms);
     run<128, 2, false>("64 x 128 products, two a k-block", num_sms, out, cycles, target_ms);
     run<128, 2, true>("64 x 128 products, two a k-block, turns", num_sms, out, cycles, target_ms);
     run<192, 1, false>("64 x 192 products, one a k-block", num_sms, out, cycles, target_ms);

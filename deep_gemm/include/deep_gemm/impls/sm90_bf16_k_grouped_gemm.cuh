@@ -58,7 +58,7 @@ struct Sm90BF16KGroupedGemm {
             }
             while (scheduler.next(tile)) {
                 const uint32_t num_k_blocks = ptx::ceil_div(tile.k_end - tile.k_begin, BLOCK_K);
-                produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, Smem::kBytesPerStage>(smem, pipe, num_k_blocks, true, NoPublish{}, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K;
                     // With a cluster, CTA r loads the boxes j with j % 2 == r for both.
                     #pragma unroll

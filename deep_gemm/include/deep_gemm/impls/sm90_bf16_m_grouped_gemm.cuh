@@ -69,7 +69,7 @@ struct Sm90BF16MGroupedGemm {
             while (scheduler.next(tile)) {
                 gate.wait_for(p.ready_flags, tile.pass);
                 const auto rows = Producer::begin(p, tile.row_begin, tile.num_rows, t);
-                produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, NoPublish{}, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = k_block * BLOCK_K;
                     Producer::load(smem.a(stage), p, rows, k, bar, t);
                     if (t == 0)

@@ -131,7 +131,7 @@ struct Sm90FP8KGroupedGemm {
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, NoPublish{}, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
@@ -184,7 +184,9 @@ struct Sm90FP8KGroupedGemm {
                         scales.issue(stage_tiles(stage), zeros());
                     },
                     [&] {
+                        timeline::Span walk;
                         more = scheduler.next(upcoming);
+                        walk.end(timeline::kScheduler);
                         if (kStoreBeside and pending)
                             store(done_group, done_m, done_n);
                     },
@@ -193,6 +195,7 @@ struct Sm90FP8KGroupedGemm {
                 defer_store(tile);
                 tile = upcoming;
             }
+            timeline::record_waits();
             Epilogue::drain();
         }
     }

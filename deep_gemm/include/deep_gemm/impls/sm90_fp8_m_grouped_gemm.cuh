@@ -72,6 +72,32 @@ struct Sm90FP8MGroupedGemm {
     static_assert(Producer::kScaleTxBytes <= kBScaleSlot * sizeof(float) and kBScaleSlot >= BLOCK_M,
                   "the B scales lie past every A scale a producer writes");
     static_assert((kBScaleSlot + BLOCK_N / 128) * sizeof(float) <= producer::kFp8ScaleStageBytes);
+    // Tiles from the producer: its thread walks the scheduler one tile ahead and leaves the next
+    // tile (and whether there is one) in each tile's first stage, past the B scales, where the math
+    // warpgroups read it rather than walk the groups themselves beside the tile's first MMAs (the
+    // walk's dependent loads left the tensor cores idle). With TMA rows in 256-wide tiles only: the
+    // gathered rows' producers and the 128-wide one spill when they walk ahead, and their math
+    // warpgroups walk as before (docs/PERF.md, "Decisions": tiles from the producer).
+    static constexpr bool kTilesFromProducer = Producer::kNumCopyThreads == 0 and BLOCK_N == 256;
+    static constexpr uint32_t kTileSlot = 148;  // (floats; 16-byte aligned: two v4 words)
+    static_assert(kTileSlot >= kBScaleSlot + BLOCK_N / 128 and kTileSlot % 4 == 0 and
+                  (kTileSlot + 8) * sizeof(float) <= producer::kFp8ScaleStageBytes);
+    template <typename Tile>
+    __device__ __forceinline__ static void publish_tile(float* scales, bool more, const Tile& t) {
+        uint8_t* slot = reinterpret_cast<uint8_t*>(scales + kTileSlot);
+        ptx::st_shared_v4(slot, make_uint4(more, t.row_begin, t.num_rows, t.n_begin));
+        ptx::st_shared_v4(slot + 16, make_uint4(t.group, t.pass, 0, 0));
+    }
+    // (the math warpgroups need no pass, and the group only for the timeline's marks)
+    template <typename Tile>
+    __device__ __forceinline__ static bool read_tile(const float* scales, Tile& t) {
+        const uint8_t* slot = reinterpret_cast<const uint8_t*>(scales + kTileSlot);
+        const uint4 a = ptx::ld_shared_v4(slot);
+        t.row_begin = a.y, t.num_rows = a.z, t.n_begin = a.w;
+        t.group = reinterpret_cast<const uint32_t*>(slot)[4];
+        return a.x != 0;
+    }
+
     // Thread 0's cp.async arrival on each full barrier: the copy threads' own, or one more.
     static constexpr uint32_t kNumCopyArrivals = Producer::kNumCopyThreads > 0 ? Producer::kNumCopyThreads : 1;
 
@@ -100,10 +126,10 @@ struct Sm90FP8MGroupedGemm {
             constexpr uint32_t kTxBytes =
                 (Producer::kNumCopyThreads > 0 ? 0 : Smem::kBytesA) + Smem::kBytesB + Producer::kScaleTxBytes;
             comm::PassGate gate;
-            while (scheduler.next(tile)) {
+            const auto produce_tile = [&](const auto& publish) {
                 gate.wait_for(p.ready_flags, tile.pass);
                 const auto rows = Producer::begin(p, tile.row_begin, tile.num_rows, t);
-                produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                produce_k_blocks<kNumStages, kTxBytes>(smem, pipe, num_k_blocks, t == 0, publish, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = k_block * BLOCK_K_FP8;
                     if (t == 0) {  // (before the copy threads' arrival, which then covers these copies)
                         #pragma unroll
@@ -122,6 +148,19 @@ struct Sm90FP8MGroupedGemm {
                             ptx::tma_load_2d(smem.b(stage) + j * kBoxRowsB * kSwizzleBytes, &p.tensor_map_b, bar, k,
                                              tile.group * p.n + Columns::box_row(j, tile.n_begin, p.n));
                 });
+            };
+            if constexpr (kTilesFromProducer) {
+                typename Scheduler::Tile upcoming;
+                for (bool more = scheduler.next(tile); more; tile = upcoming) {
+                    more = scheduler.next(upcoming);
+                    produce_tile([&](uint32_t stage, uint32_t k_block) {
+                        if (k_block == 0)
+                            publish_tile(smem.scales(stage), more, upcoming);
+                    });
+                }
+            } else {
+                while (scheduler.next(tile))
+                    produce_tile(NoPublish{});
             }
         } else {
             ptx::warpgroup_reg_alloc<kMathRegs>();
@@ -132,9 +171,9 @@ struct Sm90FP8MGroupedGemm {
             const Turns turns(wg);
             turns.prime();
             WaitAtIssue stage_wait;
-            // The next tile is found while this tile's first MMAs run: the scheduler's walk then
-            // costs the tensor cores nothing (docs/PERF.md, "Decisions": scheduler arithmetic); so
-            // does the previous tile's epilogue with kEpilogueBesideNextTile.
+            // The first tile is walked to; each next one is read from its predecessor's first stage
+            // (kTilesFromProducer) or walked to while that tile's first MMAs run, and the previous
+            // tile's epilogue is stored there too with kEpilogueBesideNextTile.
             typename Scheduler::Tile upcoming;
             bool more = scheduler.next(tile);
             epilogue::WarpgroupRows done{0, 0, 0};  // the previous tile's rows, if `pending` (kEpilogueBesideNextTile)
@@ -157,7 +196,12 @@ struct Sm90FP8MGroupedGemm {
                             ptx::fence_view_async_shared();
                     },
                     [&] {
-                        more = scheduler.next(upcoming);
+                        timeline::Span walk;
+                        if constexpr (kTilesFromProducer)
+                            more = read_tile(smem.scales(pipe.stage), upcoming);  // (the tile's first stage)
+                        else
+                            more = scheduler.next(upcoming);
+                        walk.end(timeline::kScheduler);
                         if constexpr (kEpilogueBesideNextTile) {
                             if (pending) {
                                 Epilogue::store(acc, p, done, staging, 1 + wg);
@@ -179,6 +223,7 @@ struct Sm90FP8MGroupedGemm {
                     Epilogue::store(acc, p, done, staging, 1 + wg);
             }
             turns.finish();
+            timeline::record_waits();
             Epilogue::drain();
         }
     }

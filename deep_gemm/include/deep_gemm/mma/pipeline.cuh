@@ -184,22 +184,30 @@ __device__ __forceinline__ void consume_k_blocks(const Smem& smem, PipelineState
 // starts the copies that fill it and complete on `bar`; the `leader` announces the
 // `kTxBytes` the TMA engine will deliver. Run by the leader alone (TMA only), or by every
 // thread that copies with cp.async as well: each ends its part of `issue_loads` with
-// ptx::cp_async_arrive_noinc(bar).
-template <uint32_t kNumStages, uint32_t kTxBytes, typename Smem, typename IssueLoads>
+// ptx::cp_async_arrive_noinc(bar). The leader first runs `publish(stage, k_block)`: what it
+// writes into the stage with plain stores, its arrival releases to the consumers (NoPublish:
+// nothing).
+template <uint32_t kNumStages, uint32_t kTxBytes, typename Smem, typename Publish, typename IssueLoads>
 __device__ __forceinline__ void produce_k_blocks(const Smem& smem, PipelineState& pipe, uint32_t num_k_blocks,
-                                                 bool leader, const IssueLoads& issue_loads) {
+                                                 bool leader, const Publish& publish, const IssueLoads& issue_loads) {
     for (uint32_t k_block = 0; k_block < num_k_blocks; ++k_block) {
         DG_TRACE(0, 1000 + k_block);
         smem.empty(pipe.stage)->wait(pipe.phase ^ 1);
         timeline::mark(timeline::kLoadsIssued, k_block);
         ptx::MBarrier* bar = smem.full(pipe.stage);
-        if (leader)
+        if (leader) {
+            publish(pipe.stage, k_block);
             bar->arrive_and_expect_tx(kTxBytes);
+        }
         issue_loads(pipe.stage, k_block, bar);
         DG_TRACE(0, 2000 + k_block);
         pipe.template advance<kNumStages>();
     }
 }
+
+struct NoPublish {
+    __device__ __forceinline__ void operator()(uint32_t, uint32_t) const {}
+};
 
 template <uint32_t kNum>
 __device__ __forceinline__ void zero_accum(float (&acc)[kNum]) {

@@ -230,6 +230,8 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     static_assert(BLOCK_N % kProductN == 0 and
                   (kNumProductSets == 1 or (kNumProductSets == 2 and kNumProducts == 1 and not kFirstOverwrites)));
     timeline::mark(timeline::kTileStart, num_k_blocks);
+    timeline::Waits waits(num_k_blocks);
+    const auto beside_first = [&] { waits.begin(), after_first(), waits.end(timeline::kBesideFirst); };
     using Part = float[kProduct];  // (cicc 13.0 crashes on the bound written in the lambdas' parameters)
     Part part0, part1;
     // Stage 0's descriptors, made once: a stage's are these advanced by its offset. Their low
@@ -247,11 +249,15 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         const uint64_t desc_a = advance_desc(desc_a0, stage * Smem::kBytesA);
         const uint64_t desc_b = advance_desc(desc_b0, stage * Smem::kBytesB + kCols * kProductN * kSwizzleBytes);
         if constexpr (kCols == 0) {
+            waits.begin();
             stage_wait.wait(smem.full(next.stage), next.phase);
+            waits.end(timeline::kWaitStage);
             timeline::mark(timeline::kStageLanded, next.stage);
             before_mma(next.stage);
         }
+        waits.begin();
         turns.before_issue();
+        waits.end(timeline::kWaitTurn);
         warpgroup_fence_operand(part);
         warpgroup_arrive();
         #pragma unroll
@@ -268,7 +274,9 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     const auto promote = [&](auto newer, Part& part, uint32_t k_block, auto cols, auto fresh) {
         constexpr uint32_t kCols = decltype(cols)::value;
         auto&& s = scales(pipe.stage, k_block, kCols);  // (a reference where the scales hold MMA outputs)
+        waits.begin();
         warpgroup_wait<decltype(newer)::value>();
+        waits.end(timeline::kWaitMma);
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts) {
             smem.empty(pipe.stage)->arrive();
@@ -283,14 +291,14 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     constexpr std::integral_constant<bool, false> kAdd;
     constexpr std::integral_constant<bool, kFirstOverwrites> kFirstBlock;
     if (num_k_blocks == 0) {
-        after_first();
+        beside_first();
         return;
     }
     if constexpr (kNumProductSets == 1) {
         for_each_product(std::make_integer_sequence<uint32_t, kNumProducts>{}, [&](auto cols) {
             issue(part0, cols);
             if constexpr (decltype(cols)::value == 0)
-                after_first();
+                beside_first();
             promote(kNoneNewer, part0, 0, cols, kFirstBlock);
         });
         for (uint32_t k_block = 1; k_block < num_k_blocks; ++k_block)
@@ -302,7 +310,7 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
     // Which products are in flight must not depend on the path taken (ptxas serializes the MMAs
     // otherwise): the loop starts and ends each pair with block k_block's in part0, the tail drains.
     issue(part0, kFirst);
-    after_first();
+    beside_first();
     uint32_t k_block = 0;
     for (; k_block + 2 < num_k_blocks; k_block += 2) {
         issue(part1, kFirst);

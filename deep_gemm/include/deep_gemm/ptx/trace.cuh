@@ -28,6 +28,14 @@ namespace deep_gemm::timeline {
 constexpr unsigned int kCtas = 8, kTracks = 3, kRecords = 4096;
 enum Event : unsigned int { kTileStart = 1, kStageLanded = 2, kMainloopEnd = 3, kEpilogueEnd = 4, kLoadsIssued = 5 };
 
+// What the FP8 mainloop's math warpgroups wait for, summed in clocks over a launch (Waits): a stage's
+// loads, an MMA batch, the other warpgroup's turn; the work beside a tile's first MMAs (the next
+// tile, the last tile's epilogue); all clocks inside the mainloop; the k-blocks; and the clocks of
+// the math warpgroups' scheduler walks (a Span, beside the first MMAs or not). record_waits()
+// writes each sum as one record, event kWaitsBase + its index, in the track's last records.
+enum Wait : unsigned int { kWaitStage = 0, kWaitMma, kWaitTurn, kBesideFirst, kInMainloop, kKBlocks, kScheduler, kNumWaits };
+constexpr unsigned int kWaitsBase = 16;
+
 #ifdef DG_TIMELINE
 __device__ __forceinline__ bool records() {
     return blockIdx.x < kCtas and threadIdx.x % 128 == 0 and threadIdx.x / 128 < kTracks;
@@ -38,9 +46,17 @@ __device__ __forceinline__ unsigned int& count() {
     return counts[threadIdx.x / 128];
 }
 
+__device__ __forceinline__ unsigned int* wait_sums() {
+    __shared__ unsigned int sums[kTracks][kNumWaits];
+    return sums[threadIdx.x / 128];
+}
+
 __device__ __forceinline__ void start() {
-    if (records())
+    if (records()) {
         count() = 0;
+        for (unsigned int w = 0; w < kNumWaits; ++w)
+            wait_sums()[w] = 0;
+    }
 }
 
 __device__ __forceinline__ void mark(Event event, unsigned int tag) {
@@ -50,9 +66,51 @@ __device__ __forceinline__ void mark(Event event, unsigned int tag) {
         r[1] = (static_cast<unsigned long long>(event) << 24) | (tag & 0xffffffu);
     }
 }
+
+// One mainloop call's waits, in registers; added to the warpgroup's shared sums when it ends.
+struct Waits {
+    unsigned int sum[kNumWaits] = {}, since = 0, entered = static_cast<unsigned int>(clock());
+
+    __device__ __forceinline__ explicit Waits(unsigned int num_k_blocks) { sum[kKBlocks] = num_k_blocks; }
+    __device__ __forceinline__ void begin() { since = static_cast<unsigned int>(clock()); }
+    __device__ __forceinline__ void end(Wait w) { sum[w] += static_cast<unsigned int>(clock()) - since; }
+    __device__ __forceinline__ ~Waits() {
+        sum[kInMainloop] = static_cast<unsigned int>(clock()) - entered;
+        if (records())
+            for (unsigned int w = 0; w < kNumWaits; ++w)
+                wait_sums()[w] += sum[w];
+    }
+};
+
+// Clocks from its construction to end(), added to one sum.
+struct Span {
+    unsigned int since = static_cast<unsigned int>(clock());
+    __device__ __forceinline__ void end(Wait w) {
+        const unsigned int clocks = static_cast<unsigned int>(clock()) - since;
+        if (records())
+            wait_sums()[w] += clocks;
+    }
+};
+
+__device__ __forceinline__ void record_waits() {
+    if (records()) {
+        count() = min(count(), kRecords - kNumWaits);
+        for (unsigned int w = 0; w < kNumWaits; ++w)
+            mark(static_cast<Event>(kWaitsBase + w), wait_sums()[w]);
+    }
+}
 #else
 __device__ __forceinline__ void start() {}
 __device__ __forceinline__ void mark(Event, unsigned int) {}
+struct Waits {
+    __device__ __forceinline__ explicit Waits(unsigned int) {}
+    __device__ __forceinline__ void begin() {}
+    __device__ __forceinline__ void end(Wait) {}
+};
+struct Span {
+    __device__ __forceinline__ void end(Wait) {}
+};
+__device__ __forceinline__ void record_waits() {}
 #endif
 
 }  // namespace deep_gemm::timeline
