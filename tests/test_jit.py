@@ -114,14 +114,16 @@ def test_a_launcher_that_disagrees_with_the_kernel_does_not_compile(tmp_path, mo
 
 @requires_nvcc
 def test_timeline_builds_of_the_fp8_gemms_compile(tmp_path, monkeypatch):
-    """DG_JIT_TIMELINE=1 (scripts/timeline.py) builds the FP8 GEMMs with their clock records:
-    they compile, without spills; the default builds do not carry them."""
+    """DG_JIT_TIMELINE=1 (scripts/timeline.py) builds the FP8 GEMMs with their clock records and
+    summed waits: the forms timeline.py runs compile without spills; the default builds do not
+    carry them."""
     from deep_gemm.gemm import k_grouped_fp8, m_grouped_fp8
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DG_JIT_TIMELINE", "1")
     # (__wrapped__: past the launchers' caches, which hold the default builds)
     for kernel in (k_grouped_fp8.get_kernel.__wrapped__(torch.float32, False),
-                   m_grouped_fp8.get_kernel.__wrapped__(m_grouped_fp8.FP8_TMA_ROWS, 256)):
+                   m_grouped_fp8.get_kernel.__wrapped__(m_grouped_fp8.FP8_TMA_ROWS, 256),
+                   m_grouped_fp8.get_kernel.__wrapped__(m_grouped_fp8.FP8_GATHERED_ROWS, 256)):
         report = resource_report(kernel)
         assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0, report
     monkeypatch.setenv("DG_JIT_TIMELINE", "0")

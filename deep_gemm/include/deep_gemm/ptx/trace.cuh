@@ -67,18 +67,31 @@ __device__ __forceinline__ void mark(Event event, unsigned int tag) {
     }
 }
 
-// One mainloop call's waits, in registers; added to the warpgroup's shared sums when it ends.
+// One mainloop call's waits: a stage's and the MMAs' summed in registers and shared when it ends,
+// the others added to the warpgroup's shared sums as they end (more sums in registers spill in
+// the weight gradient's build).
 struct Waits {
-    unsigned int sum[kNumWaits] = {}, since = 0, entered = static_cast<unsigned int>(clock());
+    unsigned int sum[kWaitMma + 1] = {}, since = 0, entered = static_cast<unsigned int>(clock());
 
-    __device__ __forceinline__ explicit Waits(unsigned int num_k_blocks) { sum[kKBlocks] = num_k_blocks; }
-    __device__ __forceinline__ void begin() { since = static_cast<unsigned int>(clock()); }
-    __device__ __forceinline__ void end(Wait w) { sum[w] += static_cast<unsigned int>(clock()) - since; }
-    __device__ __forceinline__ ~Waits() {
-        sum[kInMainloop] = static_cast<unsigned int>(clock()) - entered;
+    __device__ __forceinline__ explicit Waits(unsigned int num_k_blocks) {
         if (records())
-            for (unsigned int w = 0; w < kNumWaits; ++w)
+            wait_sums()[kKBlocks] += num_k_blocks;
+    }
+    __device__ __forceinline__ void begin() { since = static_cast<unsigned int>(clock()); }
+    __device__ __forceinline__ void end(Wait w) {
+        const unsigned int clocks = static_cast<unsigned int>(clock()) - since;
+        if (w <= kWaitMma)
+            sum[w] += clocks;
+        else if (records())
+            wait_sums()[w] += clocks;
+    }
+    __device__ __forceinline__ ~Waits() {
+        const unsigned int clocks = static_cast<unsigned int>(clock()) - entered;
+        if (records()) {
+            wait_sums()[kInMainloop] += clocks;
+            for (unsigned int w = 0; w <= kWaitMma; ++w)
                 wait_sums()[w] += sum[w];
+        }
     }
 };
 
