@@ -24,9 +24,10 @@ PARAMS = ParamsStruct("deep_gemm::KGroupedFp8GemmParams", [
     ("tensor_map_a", "tensor_map"), ("tensor_map_b", "tensor_map"), ("tensor_map_d", "tensor_map"),
     ("tensor_map_scales_a", "tensor_map"), ("tensor_map_scales_b", "tensor_map"), ("d", "ptr"),
     ("group_offsets", "ptr"), ("m", "u32"), ("n", "u32"), ("rows", "u32"), ("num_groups", "u32")])
-# A stage's TF32 tiles of the scales (16 bytes a row and a column); outside the stages a zero tile
-# and the scales' ring of eight k-blocks, with its full and empty barriers (mma::tc_scales)
-_SCALE_BYTES = (BLOCK_M + BLOCK_N) * 16
+# A stage's TF32 tiles of the scales (16 bytes a row and a column) and the next tile's slot (128
+# bytes; Sm90FP8KGroupedGemm::kTileSlotBytes); outside the stages a zero tile and the scales' ring of
+# eight k-blocks, with its full and empty barriers (mma::tc_scales)
+_SCALE_BYTES = (BLOCK_M + BLOCK_N) * 16 + 128
 _TC_SCALES_EXTRA = 128 * 16 + 8 * (BLOCK_M + BLOCK_N) * 4 + 2 * 8 * 8
 
 

@@ -36,7 +36,9 @@ struct Sm90FP8KGroupedGemm {
     static_assert(BLOCK_M == mma::tc_scales::kRows and BLOCK_N == mma::tc_scales::kRows);
     // A stage's TF32 tiles of its scales; after the two warpgroups' staging, the zero tile and the
     // scales' ring (mma::tc_scales)
-    static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes;
+    // (and, past them, the next tile's slot: see publish_tile)
+    static constexpr uint32_t kTileSlotBytes = 128;
+    static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes + kTileSlotBytes;
     static constexpr uint32_t kRawScaleBytes = mma::tc_scales::kRawBytes;
     static constexpr uint32_t kExtraBytes = 2 * Epilogue::kStagingBytes + mma::tc_scales::kExtraBytes;
     static_assert((2 * Epilogue::kStagingBytes + mma::tc_scales::kOffsetRaw) % 128 == 0,
@@ -54,6 +56,23 @@ struct Sm90FP8KGroupedGemm {
     // that the first products' scales then hold.
     static constexpr bool kStoreBeside = Epilogue::kOutBytes == 2;
 
+    // Tiles from the producer (docs/PERF.md, "Decisions"): the A and B producer walks one tile
+    // ahead and leaves the next tile (and whether there is one) in each tile's first stage, past
+    // its scale tiles, where the math warpgroups read it beside the tile's first MMAs instead of
+    // walking to it (the group offsets' loads). An empty group's tile has no stage: after it the
+    // math warpgroups walk again.
+    template <typename Tile>
+    __device__ __forceinline__ static void publish_tile(uint8_t* slot, bool more, const Tile& t) {
+        ptx::st_shared_v4(slot, make_uint4(more, t.group, t.m_begin, t.n_begin));
+        ptx::st_shared_v4(slot + 16, make_uint4(t.k_begin, t.k_end, 0, 0));
+    }
+    template <typename Tile>
+    __device__ __forceinline__ static bool read_tile(const uint8_t* slot, Tile& t) {
+        const uint4 a = ptx::ld_shared_v4(slot), b = ptx::ld_shared_v4(slot + 16);
+        t.group = a.y, t.m_begin = a.z, t.n_begin = a.w, t.k_begin = b.x, t.k_end = b.y;
+        return a.x != 0;
+    }
+
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
         using Scheduler = scheduler::KGroupedScheduler<BLOCK_M, BLOCK_N>;
@@ -69,6 +88,7 @@ struct Sm90FP8KGroupedGemm {
             return raw_full(tc_scales::kRawSlots + slot);
         };
         const auto stage_tiles = [&](uint32_t stage) { return reinterpret_cast<uint8_t*>(smem.scales(stage)); };
+        const auto tile_slot = [&](uint32_t stage) { return stage_tiles(stage) + tc_scales::kStageBytes; };
         if (threadIdx.x == 0) {
             for (uint32_t s = 0; s < tc_scales::kRawSlots; ++s)
                 raw_full(s)->init(1), raw_empty(s)->init(2);  // (fenced with the others in start_gemm)
@@ -127,11 +147,17 @@ struct Sm90FP8KGroupedGemm {
             }
             if (threadIdx.x != kNumMathThreads)
                 return;
-            while (scheduler.next(tile)) {
+            typename Scheduler::Tile upcoming;
+            for (bool more = scheduler.next(tile); more; tile = upcoming) {
+                more = scheduler.next(upcoming);
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, NoPublish{}, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
+                const auto publish = [&](uint32_t stage, uint32_t k_block) {
+                    if (k_block == 0)
+                        publish_tile(tile_slot(stage), more, upcoming);
+                };
+                produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, publish, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
@@ -185,7 +211,8 @@ struct Sm90FP8KGroupedGemm {
                     },
                     [&] {
                         timeline::Span walk;
-                        more = scheduler.next(upcoming);
+                        more = read_tile(tile_slot(pipe.stage), upcoming);  // (the tile's first stage)
+                        scheduler.skip();
                         walk.end(timeline::kScheduler);
                         if (kStoreBeside and pending)
                             store(done_group, done_m, done_n);

@@ -124,6 +124,9 @@ struct KGroupedScheduler {
           num_tiles_per_group(ptx::ceil_div(m, BLOCK_M * kClusterM) * ptx::ceil_div(n, BLOCK_N)),
           num_rows_total(rows), next_tile(blockIdx.x / kClusterM) {}
 
+    // Past the next tile without reading it (another copy of the walk told this one what it is).
+    __device__ __forceinline__ void skip() { next_tile += gridDim.x / kClusterM; }
+
     __device__ __forceinline__ bool next(Tile& tile) {
         const uint32_t idx = next_tile;
         next_tile += gridDim.x / kClusterM;
