@@ -56,11 +56,11 @@ struct Sm90FP8KGroupedGemm {
     // that the first products' scales then hold.
     static constexpr bool kStoreBeside = Epilogue::kOutBytes == 2;
 
-    // Tiles from the producer (docs/PERF.md, "Decisions"): the A and B producer walks one tile
-    // ahead and leaves the next tile (and whether there is one) in each tile's first stage, past
-    // its scale tiles, where the math warpgroups read it beside the tile's first MMAs instead of
-    // walking to it (the group offsets' loads). An empty group's tile has no stage: after it the
-    // math warpgroups walk again.
+    // The A and B producer walks one tile ahead and leaves the next tile (and whether there is
+    // one) in each tile's first stage, past its scale tiles, where the math warpgroups read it
+    // beside the tile's first MMAs instead of walking to it (the group offsets' loads; docs/PERF.md,
+    // "Decisions": tiles from the producer). An empty group's tile has no stage: after it the math
+    // warpgroups walk again.
     template <typename Tile>
     __device__ __forceinline__ static void publish_tile(uint8_t* slot, bool more, const Tile& t) {
         ptx::st_shared_v4(slot, make_uint4(more, t.group, t.m_begin, t.n_begin));
