@@ -36,7 +36,11 @@ struct Sm90FP8KGroupedGemm {
     static_assert(BLOCK_M == mma::tc_scales::kRows and BLOCK_N == mma::tc_scales::kRows);
     // A stage's TF32 tiles of its scales; after the two warpgroups' staging, the zero tile and the
     // scales' ring (mma::tc_scales)
-    // (and, past them, the next tile's slot: see publish_tile)
+    // (and, past them, the next tile's slot: the A and B producer walks one tile ahead and leaves
+    // the next tile (Scheduler::Tile::publish) in each tile's first stage, where the math
+    // warpgroups read it beside the tile's first MMAs instead of walking to it (the group offsets'
+    // loads; docs/PERF.md, "Decisions": tiles from the producer). An empty group's tile has no
+    // stage: after it the math warpgroups walk again.)
     static constexpr uint32_t kTileSlotBytes = 128;
     static constexpr uint32_t kScaleBytes = mma::tc_scales::kStageBytes + kTileSlotBytes;
     static constexpr uint32_t kRawScaleBytes = mma::tc_scales::kRawBytes;
@@ -55,23 +59,6 @@ struct Sm90FP8KGroupedGemm {
     // epilogue beside the next tile); an fp32 one before them, whose staging needs the registers
     // that the first products' scales then hold.
     static constexpr bool kStoreBeside = Epilogue::kOutBytes == 2;
-
-    // The A and B producer walks one tile ahead and leaves the next tile (and whether there is
-    // one) in each tile's first stage, past its scale tiles, where the math warpgroups read it
-    // beside the tile's first MMAs instead of walking to it (the group offsets' loads; docs/PERF.md,
-    // "Decisions": tiles from the producer). An empty group's tile has no stage: after it the math
-    // warpgroups walk again.
-    template <typename Tile>
-    __device__ __forceinline__ static void publish_tile(uint8_t* slot, bool more, const Tile& t) {
-        ptx::st_shared_v4(slot, make_uint4(more, t.group, t.m_begin, t.n_begin));
-        ptx::st_shared_v4(slot + 16, make_uint4(t.k_begin, t.k_end, 0, 0));
-    }
-    template <typename Tile>
-    __device__ __forceinline__ static bool read_tile(const uint8_t* slot, Tile& t) {
-        const uint4 a = ptx::ld_shared_v4(slot), b = ptx::ld_shared_v4(slot + 16);
-        t.group = a.y, t.m_begin = a.z, t.n_begin = a.w, t.k_begin = b.x, t.k_end = b.y;
-        return a.x != 0;
-    }
 
     __device__ __forceinline__ static void run(const KGroupedFp8GemmParams& p) {
         using namespace mma;
@@ -155,7 +142,7 @@ struct Sm90FP8KGroupedGemm {
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
                 const auto publish = [&](uint32_t stage, uint32_t k_block) {
                     if (k_block == 0)
-                        publish_tile(tile_slot(stage), more, upcoming);
+                        upcoming.publish(tile_slot(stage), more);
                 };
                 produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, publish, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
@@ -211,7 +198,7 @@ struct Sm90FP8KGroupedGemm {
                     },
                     [&] {
                         timeline::Span walk;
-                        more = read_tile(tile_slot(pipe.stage), upcoming);  // (the tile's first stage)
+                        more = upcoming.read(tile_slot(pipe.stage));  // (the tile's first stage)
                         scheduler.skip();
                         walk.end(timeline::kScheduler);
                         if (kStoreBeside and pending)

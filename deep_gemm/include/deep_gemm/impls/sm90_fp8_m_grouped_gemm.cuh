@@ -79,23 +79,11 @@ struct Sm90FP8MGroupedGemm {
     // gathered rows' producers and the 128-wide one spill when they walk ahead, and their math
     // warpgroups walk as before (docs/PERF.md, "Decisions": tiles from the producer).
     static constexpr bool kTilesFromProducer = Producer::kNumCopyThreads == 0 and BLOCK_N == 256;
-    static constexpr uint32_t kTileSlot = 148;  // (floats; 16-byte aligned: two v4 words)
+    static constexpr uint32_t kTileSlot = 148;  // (floats; 16-byte aligned, 32 bytes: Scheduler::Tile::publish)
     static_assert(kTileSlot >= kBScaleSlot + BLOCK_N / 128 and kTileSlot % 4 == 0 and
                   (kTileSlot + 8) * sizeof(float) <= producer::kFp8ScaleStageBytes);
-    template <typename Tile>
-    __device__ __forceinline__ static void publish_tile(float* scales, bool more, const Tile& t) {
-        uint8_t* slot = reinterpret_cast<uint8_t*>(scales + kTileSlot);
-        ptx::st_shared_v4(slot, make_uint4(more, t.row_begin, t.num_rows, t.n_begin));
-        ptx::st_shared_v4(slot + 16, make_uint4(t.group, t.pass, 0, 0));
-    }
-    // (the math warpgroups need no pass, and the group only for the timeline's marks)
-    template <typename Tile>
-    __device__ __forceinline__ static bool read_tile(const float* scales, Tile& t) {
-        const uint8_t* slot = reinterpret_cast<const uint8_t*>(scales + kTileSlot);
-        const uint4 a = ptx::ld_shared_v4(slot);
-        t.row_begin = a.y, t.num_rows = a.z, t.n_begin = a.w;
-        t.group = reinterpret_cast<const uint32_t*>(slot)[4];
-        return a.x != 0;
+    __device__ __forceinline__ static uint8_t* tile_slot(float* scales) {
+        return reinterpret_cast<uint8_t*>(scales + kTileSlot);
     }
 
     // Thread 0's cp.async arrival on each full barrier: the copy threads' own, or one more.
@@ -155,7 +143,7 @@ struct Sm90FP8MGroupedGemm {
                     more = scheduler.next(upcoming);
                     produce_tile([&](uint32_t stage, uint32_t k_block) {
                         if (k_block == 0)
-                            publish_tile(smem.scales(stage), more, upcoming);
+                            upcoming.publish(tile_slot(smem.scales(stage)), more);
                     });
                 }
             } else {
@@ -198,7 +186,7 @@ struct Sm90FP8MGroupedGemm {
                     [&] {
                         timeline::Span walk;
                         if constexpr (kTilesFromProducer)
-                            more = read_tile(smem.scales(pipe.stage), upcoming);  // (the tile's first stage)
+                            more = upcoming.read(tile_slot(smem.scales(pipe.stage)));  // (the tile's first stage)
                         else
                             more = scheduler.next(upcoming);
                         walk.end(timeline::kScheduler);

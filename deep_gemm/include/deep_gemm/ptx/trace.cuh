@@ -67,42 +67,37 @@ __device__ __forceinline__ void mark(Event event, unsigned int tag) {
     }
 }
 
+__device__ __forceinline__ void add_wait(Wait w, unsigned int clocks) {
+    if (records())
+        wait_sums()[w] += clocks;
+}
+
 // One mainloop call's waits: a stage's and the MMAs' summed in registers and shared when it ends,
 // the others added to the warpgroup's shared sums as they end (more sums in registers spill in
 // the weight gradient's build).
 struct Waits {
     unsigned int sum[kWaitMma + 1] = {}, since = 0, entered = static_cast<unsigned int>(clock());
 
-    __device__ __forceinline__ explicit Waits(unsigned int num_k_blocks) {
-        if (records())
-            wait_sums()[kKBlocks] += num_k_blocks;
-    }
+    __device__ __forceinline__ explicit Waits(unsigned int num_k_blocks) { add_wait(kKBlocks, num_k_blocks); }
     __device__ __forceinline__ void begin() { since = static_cast<unsigned int>(clock()); }
     __device__ __forceinline__ void end(Wait w) {
         const unsigned int clocks = static_cast<unsigned int>(clock()) - since;
         if (w <= kWaitMma)
             sum[w] += clocks;
-        else if (records())
-            wait_sums()[w] += clocks;
+        else
+            add_wait(w, clocks);
     }
     __device__ __forceinline__ ~Waits() {
-        const unsigned int clocks = static_cast<unsigned int>(clock()) - entered;
-        if (records()) {
-            wait_sums()[kInMainloop] += clocks;
-            for (unsigned int w = 0; w <= kWaitMma; ++w)
-                wait_sums()[w] += sum[w];
-        }
+        add_wait(kInMainloop, static_cast<unsigned int>(clock()) - entered);
+        for (unsigned int w = 0; w <= kWaitMma; ++w)
+            add_wait(static_cast<Wait>(w), sum[w]);
     }
 };
 
 // Clocks from its construction to end(), added to one sum.
 struct Span {
     unsigned int since = static_cast<unsigned int>(clock());
-    __device__ __forceinline__ void end(Wait w) {
-        const unsigned int clocks = static_cast<unsigned int>(clock()) - since;
-        if (records())
-            wait_sums()[w] += clocks;
-    }
+    __device__ __forceinline__ void end(Wait w) { add_wait(w, static_cast<unsigned int>(clock()) - since); }
 };
 
 __device__ __forceinline__ void record_waits() {

@@ -48,6 +48,21 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N>
 struct MGroupedScheduler {
     struct Tile {
         uint32_t group, pass, row_begin, num_rows, n_begin;
+
+        // The tile as a producer leaves it in a stage for the math warpgroups, with whether there
+        // is one (`slot`: 32 bytes, 16-byte aligned; docs/PERF.md, "Decisions": tiles from the
+        // producer). read() fills what the math warpgroups use: no pass (the group only feeds the
+        // timeline's marks).
+        __device__ __forceinline__ void publish(uint8_t* slot, bool more) const {
+            ptx::st_shared_v4(slot, make_uint4(more, row_begin, num_rows, n_begin));
+            ptx::st_shared_v4(slot + 16, make_uint4(group, pass, 0, 0));
+        }
+        __device__ __forceinline__ bool read(const uint8_t* slot) {
+            const uint4 a = ptx::ld_shared_v4(slot);
+            row_begin = a.y, num_rows = a.z, n_begin = a.w;
+            group = reinterpret_cast<const uint32_t*>(slot)[4];
+            return a.x != 0;
+        }
     };
 
     const int* offsets;
@@ -112,6 +127,17 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kClusterM = 1>
 struct KGroupedScheduler {
     struct Tile {
         uint32_t group, m_begin, n_begin, k_begin, k_end;
+
+        // As MGroupedScheduler::Tile's.
+        __device__ __forceinline__ void publish(uint8_t* slot, bool more) const {
+            ptx::st_shared_v4(slot, make_uint4(more, group, m_begin, n_begin));
+            ptx::st_shared_v4(slot + 16, make_uint4(k_begin, k_end, 0, 0));
+        }
+        __device__ __forceinline__ bool read(const uint8_t* slot) {
+            const uint4 a = ptx::ld_shared_v4(slot), b = ptx::ld_shared_v4(slot + 16);
+            group = a.y, m_begin = a.z, n_begin = a.w, k_begin = b.x, k_end = b.y;
+            return a.x != 0;
+        }
     };
 
     const int* offsets;
