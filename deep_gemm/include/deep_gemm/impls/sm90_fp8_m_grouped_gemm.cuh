@@ -86,6 +86,14 @@ struct Sm90FP8MGroupedGemm {
         return reinterpret_cast<uint8_t*>(scales + kTileSlot);
     }
 
+    // The math warpgroups' registers: 224 with TMA rows, where ptxas's schedule at that cap ran the
+    // 30B forwards 4-5% faster than at 232 (spills at neither), and 232 with gathered rows, whose
+    // SwiGLU form at 224 took 3-4% longer (docs/PERF.md, "Decisions": math registers).
+    // (setmaxnreg only moves the registers the launch gave: 65536 / 384 a thread, rounded down to 8)
+    static constexpr uint32_t kMathRegsFp8 = Producer::kNumCopyThreads == 0 ? 224 : mma::kMathRegs;
+    static_assert(mma::kProducerRegs * mma::kNumProducerThreads + kMathRegsFp8 * mma::kNumMathThreads <=
+                  65536 / mma::kNumThreads / 8 * 8 * mma::kNumThreads);
+
     // Thread 0's cp.async arrival on each full barrier: the copy threads' own, or one more.
     static constexpr uint32_t kNumCopyArrivals = Producer::kNumCopyThreads > 0 ? Producer::kNumCopyThreads : 1;
 
@@ -151,7 +159,7 @@ struct Sm90FP8MGroupedGemm {
                     produce_tile(NoPublish{});
             }
         } else {
-            ptx::warpgroup_reg_alloc<kMathRegs>();
+            ptx::warpgroup_reg_alloc<kMathRegsFp8>();
             const uint32_t wg = ptx::warpgroup_idx();
             uint8_t* staging = smem.extra() + wg * Epilogue::kStagingBytes;
             const uint32_t scale_row = accumulator_row();
