@@ -89,7 +89,7 @@ def summarize(records: torch.Tensor) -> list[str]:
 def waits(records: torch.Tensor) -> list[str]:
     """Lines of the math warpgroups' summed waits (ptx/trace.cuh's Waits), per k-block."""
     names = ("waiting for a stage", "waiting for MMAs", "waiting for the turn", "beside the first MMAs",
-             "inside the mainloop", "k-blocks", "the scheduler's walk")
+             "inside the mainloop", "k-blocks", "the scheduler's walk", "issuing MMAs")
     sums = [0] * len(names)
     for cta in records:
         for rows in cta.tolist()[:2]:
@@ -97,6 +97,7 @@ def waits(records: torch.Tensor) -> list[str]:
                 event, value = tag >> 24, tag & 0xFFFFFF
                 if WAITS_BASE <= event < WAITS_BASE + len(names):
                     sums[event - WAITS_BASE] += value
+    issue = sums.pop()
     walk = sums.pop()
     k_blocks = sums.pop()
     if not k_blocks:
@@ -104,8 +105,9 @@ def waits(records: torch.Tensor) -> list[str]:
     lines = [f"math warpgroups, per k-block (over {k_blocks}):"]
     lines += [f"  {name:<24} {total / k_blocks:8.1f} clocks" for name, total in zip(names, sums)]
     lines.append(f"  {'  of it the next tile':<24} {walk / k_blocks:8.1f} clocks (the walk, or its read)")
-    rest = sums[-1] - sum(sums[:-1])
-    lines.append(f"  {'the rest (issue, promote)':<24} {rest / k_blocks:8.1f} clocks")
+    lines.append(f"  {'issuing MMAs':<24} {issue / k_blocks:8.1f} clocks (fence to commit)")
+    rest = sums[-1] - sum(sums[:-1]) - issue
+    lines.append(f"  {'the rest (promote, scales)':<24} {rest / k_blocks:8.1f} clocks")
     return lines
 
 

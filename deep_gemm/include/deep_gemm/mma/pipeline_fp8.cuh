@@ -259,11 +259,13 @@ __device__ __forceinline__ void consume_k_blocks_fp8(const Smem& smem, PipelineS
         turns.before_issue();
         waits.end(timeline::kWaitTurn);
         warpgroup_fence_operand(part);
+        waits.begin();
         warpgroup_arrive();
         #pragma unroll
         for (uint32_t k = 0; k < BLOCK_K_FP8 / 32; ++k)  // k32 slices, 32 bytes apart in the swizzle row
             WGMMAFp8<kProductN>::mma(advance_desc(desc_a, k * 32), advance_desc(desc_b, k * 32), part, k > 0);
         warpgroup_commit_batch();
+        waits.end(timeline::kIssue);
         turns.after_issue();
         warpgroup_fence_operand(part);
         if constexpr (kCols + 1 == kNumProducts)

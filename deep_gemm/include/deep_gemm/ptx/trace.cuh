@@ -31,9 +31,10 @@ enum Event : unsigned int { kTileStart = 1, kStageLanded = 2, kMainloopEnd = 3, 
 // What the FP8 mainloop's math warpgroups wait for, summed in clocks over a launch (Waits): a stage's
 // loads, an MMA batch, the other warpgroup's turn; the work beside a tile's first MMAs (the next
 // tile, the last tile's epilogue); all clocks inside the mainloop; the k-blocks; and the clocks of
-// the math warpgroups' scheduler walks (a Span, beside the first MMAs or not). record_waits()
+// the math warpgroups' scheduler walks (a Span, beside the first MMAs or not); the MMA issue itself
+// (fence to commit: whether issuing waits for the tensor cores). record_waits()
 // writes each sum as one record, event kWaitsBase + its index, in the track's last records.
-enum Wait : unsigned int { kWaitStage = 0, kWaitMma, kWaitTurn, kBesideFirst, kInMainloop, kKBlocks, kScheduler, kNumWaits };
+enum Wait : unsigned int { kWaitStage = 0, kWaitMma, kWaitTurn, kBesideFirst, kInMainloop, kKBlocks, kScheduler, kIssue, kNumWaits };
 constexpr unsigned int kWaitsBase = 16;
 
 #ifdef DG_TIMELINE
