@@ -8,8 +8,8 @@ For CTAs 0-7, each math warpgroup's mean SM clocks per tile: tile start -> its f
 end -> the next tile's start; and the producer's mean clocks between two stages it could refill.
 Then, per k-block, what the FP8 mainloop's math warpgroups spent their clocks on, summed over the
 launch (ptx/trace.cuh's Waits): waiting for a stage, for their MMAs, for the other warpgroup's
-turn, the work beside a tile's first MMAs (the next tile, the last tile's epilogue), and the rest
-(issuing and promoting).
+turn, the work beside a tile's first MMAs (the next tile, the last tile's epilogue), issuing
+the MMAs (fence to commit), and the rest (promoting, the scales' reads).
 `--gemm`: fwd1, fwd2, dgrad1, dgrad2 (m-grouped, bf16 out), wgrad1, wgrad2 (k-grouped, fp32 out),
 at `bench_gemm.py`'s shapes (its `gemm_cases`), or "fwd1 gather" (`ab_gemm.py`'s GEMM1 with rows
 gathered in its loads). Needs a Hopper GPU.
