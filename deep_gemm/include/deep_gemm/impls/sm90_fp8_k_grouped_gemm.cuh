@@ -134,22 +134,16 @@ struct Sm90FP8KGroupedGemm {
             }
             if (threadIdx.x != kNumMathThreads)
                 return;
-            typename Scheduler::Tile upcoming;
-            for (bool more = scheduler.next(tile); more; tile = upcoming) {
-                more = scheduler.next(upcoming);
+            produce_tiles_publishing_next(scheduler, tile, tile_slot, [&](const auto& publish) {
                 if ((tile.k_begin | tile.k_end) % BLOCK_K_FP8 != 0)
                     __trap();  // not the padded offsets: a scale block would hold two groups
                 const uint32_t num_k_blocks = (tile.k_end - tile.k_begin) / BLOCK_K_FP8;
-                const auto publish = [&](uint32_t stage, uint32_t k_block) {
-                    if (k_block == 0)
-                        upcoming.publish(tile_slot(stage), more);
-                };
                 produce_k_blocks<kNumStages, Smem::kBytesA + Smem::kBytesB>(smem, pipe, num_k_blocks, true, publish, [&](uint32_t stage, uint32_t k_block, ptx::MBarrier* bar) {
                     const uint32_t k = tile.k_begin + k_block * BLOCK_K_FP8;
                     ptx::tma_load_2d(smem.a(stage), &p.tensor_map_a, bar, k, tile.m_begin);
                     ptx::tma_load_2d(smem.b(stage), &p.tensor_map_b, bar, k, tile.n_begin);
                 });
-            }
+            });
         } else {
             ptx::warpgroup_reg_alloc<kMathRegs>();
             const uint32_t wg = ptx::warpgroup_idx();

@@ -146,14 +146,8 @@ struct Sm90FP8MGroupedGemm {
                 });
             };
             if constexpr (kTilesFromProducer) {
-                typename Scheduler::Tile upcoming;
-                for (bool more = scheduler.next(tile); more; tile = upcoming) {
-                    more = scheduler.next(upcoming);
-                    produce_tile([&](uint32_t stage, uint32_t k_block) {
-                        if (k_block == 0)
-                            upcoming.publish(tile_slot(smem.scales(stage)), more);
-                    });
-                }
+                produce_tiles_publishing_next(scheduler, tile, [&](uint32_t stage) { return tile_slot(smem.scales(stage)); },
+                                              produce_tile);
             } else {
                 while (scheduler.next(tile))
                     produce_tile(NoPublish{});

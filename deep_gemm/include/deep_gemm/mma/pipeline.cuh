@@ -209,6 +209,23 @@ struct NoPublish {
     __device__ __forceinline__ void operator()(uint32_t, uint32_t) const {}
 };
 
+// The producer's walk over its scheduler's tiles, one tile ahead: for each tile (in `tile`),
+// `produce(publish)`, whose publish(stage, k_block) leaves the next tile and whether there is one
+// (Scheduler::Tile::publish) at `slot(stage)` of the tile's first stage, where the math warpgroups
+// read it instead of walking to it (docs/PERF.md, "Decisions": tiles from the producer).
+template <typename Scheduler, typename Slot, typename Produce>
+__device__ __forceinline__ void produce_tiles_publishing_next(Scheduler& scheduler, typename Scheduler::Tile& tile,
+                                                              const Slot& slot, const Produce& produce) {
+    typename Scheduler::Tile upcoming;
+    for (bool more = scheduler.next(tile); more; tile = upcoming) {
+        more = scheduler.next(upcoming);
+        produce([&](uint32_t stage, uint32_t k_block) {
+            if (k_block == 0)
+                upcoming.publish(slot(stage), more);
+        });
+    }
+}
+
 template <uint32_t kNum>
 __device__ __forceinline__ void zero_accum(float (&acc)[kNum]) {
     #pragma unroll
