@@ -101,7 +101,8 @@ struct BF16TensorStore {
 };
 
 // The MoE's first GEMM (B = l1 [G, 2I, K], gate rows then up rows): D = h = [gate | up] and
-// act = silu(gate) * up [M, I], from the fp32 accumulators, by tensor stores.
+// act = silu(gate) * up [M, I], from the fp32 accumulators, by tensor stores. Both SwiGLU
+// epilogues stage by PairStores (docs/PERF.md, "Decisions": m-grouped epilogue).
 template <uint32_t BLOCK_N>
 struct SwiGLUTensorStore {
     static_assert(BLOCK_N == 256, "a tile pairs 128 gate with 128 up columns");
@@ -125,8 +126,8 @@ struct SwiGLUTensorStore {
         const float (&act)[kHalf] = store_h_then_swiglu(acc, p, rows, staging, barrier_id, tensor_stores);
         const uint32_t inter = p.n / 2, col = rows.n_begin / 2;
         if (tensor_stores) {
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false>(act, staging, barrier_id, &p.tensor_map_act, col,
-                                                              rows.first, 0);
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, PairStores>(act, staging, barrier_id,
+                                                                         &p.tensor_map_act, col, rows.first, 0);
         } else {
             store_bf16_staged<BLOCK_N / 2>(act, staging, barrier_id, p.act + static_cast<uint64_t>(rows.first) * inter + col,
                                            inter, rows.count, BLOCK_N / 2);
@@ -148,9 +149,11 @@ struct SwiGLUTensorStore {
         const uint32_t inter = p.n / 2, col = rows.n_begin / 2;
         __nv_bfloat16* h = p.d + static_cast<uint64_t>(rows.first) * p.n + col;
         if (tensor_stores) {
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false>(gate, staging, barrier_id, &p.tensor_map_d, col, rows.first, 0);
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false>(up, staging, barrier_id, &p.tensor_map_d, inter + col,
-                                                              rows.first, 0);
+            using Stores = PairStores;
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, Stores>(gate, staging, barrier_id, &p.tensor_map_d, col,
+                                                                     rows.first, 0);
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, Stores>(up, staging, barrier_id, &p.tensor_map_d,
+                                                                     inter + col, rows.first, 0);
         } else {
             store_bf16_staged<BLOCK_N / 2>(gate, staging, barrier_id, h, p.n, rows.count, BLOCK_N / 2);
             store_bf16_staged<BLOCK_N / 2>(up, staging, barrier_id, h + inter, p.n, rows.count, BLOCK_N / 2);
@@ -190,9 +193,8 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
         const float (&up)[kHalf] = *reinterpret_cast<const float (*)[kHalf]>(acc + kHalf);
         #pragma unroll
         for (uint32_t i = 0; i < kHChunks / 2; ++i) {  // gate's chunks in buffers 0.., then up's
-            uint8_t *g = buffer(i), *u = buffer(kHChunks / 2 + i);
-            stage_chunk<kChunkN, __nv_bfloat16>(gate, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(g, r, byte); });
-            stage_chunk<kChunkN, __nv_bfloat16>(up, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(u, r, byte); });
+            PairStores::stage<__nv_bfloat16>(gate, i, buffer(i));
+            PairStores::stage<__nv_bfloat16>(up, i, buffer(kHChunks / 2 + i));
         }
 
         float (&act)[kHalf] = gate;

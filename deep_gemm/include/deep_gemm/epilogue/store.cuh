@@ -152,6 +152,49 @@ __device__ __forceinline__ uint8_t* swizzled_128b(uint8_t* buffer, uint32_t r, u
     return buffer + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
 }
 
+// How a column chunk (128 bytes of OutT columns) of this thread's share of a warpgroup's
+// 64 x BLOCK_N accumulators reaches its swizzled staging buffer (64 rows, 1024-byte aligned):
+// `Stores::stage<OutT>(acc, chunk, buffer)`.
+//
+// PairStores: each pair of columns by one 4-byte (bf16) or 8-byte (fp32) store.
+struct PairStores {
+    template <typename OutT, uint32_t kNumAcc>
+    __device__ __forceinline__ static void stage(const float (&acc)[kNumAcc], uint32_t chunk, uint8_t* buffer) {
+        stage_chunk<SwizzledStaging<OutT>::kChunkN, OutT>(acc, chunk, [&](uint32_t r, uint32_t byte) {
+            return swizzled_128b(buffer, r, byte);
+        });
+    }
+};
+
+// MatrixStores: bf16 by stmatrix, each instruction two 8-column groups of the warp's 16 rows, 16
+// bytes a thread: a quarter of PairStores' store instructions in the same bank wavefronts, and
+// one swizzled address a thread rather than one a store (docs/PERF.md, "Decisions": m-grouped
+// epilogue; the SwiGLU epilogues keep PairStores). fp32 as PairStores.
+struct MatrixStores {
+    template <typename OutT, uint32_t kNumAcc>
+    __device__ __forceinline__ static void stage(const float (&acc)[kNumAcc], uint32_t chunk, uint8_t* buffer) {
+        if constexpr (std::is_same_v<OutT, float>) {
+            PairStores::stage<float>(acc, chunk, buffer);
+        } else {
+            static_assert(std::is_same_v<OutT, __nv_bfloat16>);
+            const uint32_t lane = ptx::lane_idx();
+            // This lane's row (matrices 1 and 3 are the warp's lower 8 rows) and 8-column group
+            // (matrices 2 and 3 the second of a pair); r % 8 == lane % 8 picks the swizzle. A row's
+            // 16-byte pieces are address bits 4-6 (the buffer is 1024-byte aligned), so piece p of
+            // the swizzled row is its address XOR p * 16.
+            const uint32_t r = (threadIdx.x % 128 / 32) * 16 + (lane / 8 % 2) * 8 + lane % 8;
+            const uint32_t row = (ptx::smem_addr(buffer) + r * 128) | (((lane / 16) ^ (lane % 8)) * 16);
+            #pragma unroll
+            for (uint32_t j = 0; j < 8; j += 2) {  // pairs of 8-column groups
+                const uint32_t i = (chunk * 8 + j) * 4;  // the pair's first accumulator (mma/wgmma_fp8.cuh's layout)
+                ptx::stmatrix_x4(row ^ (j * 16), ptx::pack_bf16x2(acc[i], acc[i + 1]),
+                                 ptx::pack_bf16x2(acc[i + 2], acc[i + 3]), ptx::pack_bf16x2(acc[i + 4], acc[i + 5]),
+                                 ptx::pack_bf16x2(acc[i + 6], acc[i + 7]));
+            }
+        }
+    }
+};
+
 // Until the warpgroup's earlier tensor stores have read its staging (thread 0 waits, all sync).
 __device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
     if (threadIdx.x % 128 == 0)
@@ -166,8 +209,9 @@ __device__ __forceinline__ void wait_staging_free(uint32_t barrier_id) {
 // tensor's ends. Chunks go in batches of kNumBuffers / 2, one fence and two barriers each; the
 // two halves of the buffers take batches in turn, so a batch is written while the previous
 // one drains, and the last batch's stores overlap the next tile's MMAs. Thread 0 of the
-// warpgroup issues the stores: call `drain_bulk_stores` before the kernel exits.
-template <uint32_t BLOCK_N, typename OutT, bool kAccumulate, uint32_t kNumBuffers = 2>
+// warpgroup issues the stores: call `drain_bulk_stores` before the kernel exits. `Stores`
+// (MatrixStores, PairStores) writes the buffers.
+template <uint32_t BLOCK_N, typename OutT, bool kAccumulate, uint32_t kNumBuffers = 2, typename Stores = MatrixStores>
 __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], uint8_t* staging, uint32_t barrier_id,
                                                const CUtensorMap* desc, uint32_t n, uint32_t m, uint32_t g) {
     using Layout = SwizzledStaging<OutT, kNumBuffers>;
@@ -187,10 +231,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[BLOCK_N / 2], 
 
         #pragma unroll
         for (uint32_t i = 0; i < kBatch; ++i) {
-            uint8_t* buffer = half + i * Layout::kBufferBytes;
-            stage_chunk<Layout::kChunkN, OutT>(acc, batch * kBatch + i, [&](uint32_t r, uint32_t byte) {
-                return swizzled_128b(buffer, r, byte);
-            });
+            Stores::template stage<OutT>(acc, batch * kBatch + i, half + i * Layout::kBufferBytes);
         }
         ptx::fence_view_async_shared();  // the tensor stores read through the async proxy
         ptx::named_barrier_sync(barrier_id, 128);
@@ -217,8 +258,7 @@ __device__ __forceinline__ void store_whole_tile_tma(const float (&acc)[BLOCK_N 
     wait_staging_free(barrier_id);
     #pragma unroll
     for (uint32_t i = 0; i < kNumChunks; ++i) {
-        uint8_t* buffer = staging + i * Layout::kBufferBytes;
-        stage_chunk<Layout::kChunkN, OutT>(acc, i, [&](uint32_t r, uint32_t byte) { return swizzled_128b(buffer, r, byte); });
+        MatrixStores::stage<OutT>(acc, i, staging + i * Layout::kBufferBytes);
     }
     ptx::fence_view_async_shared();  // the tensor stores read through the async proxy
     ptx::named_barrier_sync(barrier_id, 128);

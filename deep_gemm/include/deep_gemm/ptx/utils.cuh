@@ -104,6 +104,14 @@ __device__ __forceinline__ void st_shared_v4(void* ptr, uint4 v) {
                  :: "r"(smem_addr(ptr)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// stmatrix .x4: four 8 x 8 b16 matrices to shared memory. Lanes 8q..8q+7 give the addresses of matrix
+// q's eight 16-byte rows; each thread's value q is its pair of matrix q (row lane / 4, columns
+// 2 (lane % 4) and the next), the layout of an MMA accumulator's 8 x 8 pieces.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(v0), "r"(v1), "r"(v2), "r"(v3) : "memory");
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     uint32_t out;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
