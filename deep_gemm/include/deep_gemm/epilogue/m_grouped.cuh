@@ -149,11 +149,10 @@ struct SwiGLUTensorStore {
         const uint32_t inter = p.n / 2, col = rows.n_begin / 2;
         __nv_bfloat16* h = p.d + static_cast<uint64_t>(rows.first) * p.n + col;
         if (tensor_stores) {
-            using Stores = PairStores;
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, Stores>(gate, staging, barrier_id, &p.tensor_map_d, col,
-                                                                     rows.first, 0);
-            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, Stores>(up, staging, barrier_id, &p.tensor_map_d,
-                                                                     inter + col, rows.first, 0);
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, PairStores>(gate, staging, barrier_id,
+                                                                         &p.tensor_map_d, col, rows.first, 0);
+            store_tile_tma<BLOCK_N / 2, __nv_bfloat16, false, 2, PairStores>(up, staging, barrier_id,
+                                                                         &p.tensor_map_d, inter + col, rows.first, 0);
         } else {
             store_bf16_staged<BLOCK_N / 2>(gate, staging, barrier_id, h, p.n, rows.count, BLOCK_N / 2);
             store_bf16_staged<BLOCK_N / 2>(up, staging, barrier_id, h + inter, p.n, rows.count, BLOCK_N / 2);
