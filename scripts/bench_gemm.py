@@ -27,6 +27,9 @@ product of the original bf16 operands (weight gradients: over the first four gro
 `--upstream DIR` (a DeepGEMM checkout built in place) adds upstream's FP8 m-grouped GEMM to the
 forward and data-gradient rows, on groups padded to its alignment with its own casts (per token
 1 x 128, per block 128 x 128): what its users must do; its TFLOPS count our unpadded FLOPs too.
+On the fp32 weight-gradient rows it adds upstream's k-grouped FP8 GEMM (groups padded to 128,
+per-channel casts, each group's operands K-major; it accumulates into its fp32 output, which it
+thus reads as well, and takes the group sizes on the host every call).
 
     python scripts/bench_gemm.py [--models 30b,235b,v3] [--sweep] [--launch-overhead] [--only wgrad1,fwd1]
                                  [--precision bf16,fp8] [--upstream DEEPGEMM_DIR] [--sustained SECONDS]
@@ -183,11 +186,37 @@ def _upstream_m_grouped(upstream, x: torch.Tensor, b_nk: torch.Tensor, sizes: li
     return lambda: upstream.m_grouped_fp8_fp4_gemm_nt_contiguous(a_fp8, b_fp8, d, m_indices, disable_ue8m0_cast=True)
 
 
+def _upstream_k_grouped(upstream, a: torch.Tensor, b: torch.Tensor, sizes: list[int]):
+    """Upstream DeepGEMM's FP8 weight gradient ``D[g] = C[g] + A[g].T @ B[g]`` (fp32; its Hopper
+    form has no overwrite, so C = D and every call reads D too) on our problem, set up as its users
+    must: every group padded with zero rows to 128, its own per-channel casts (128 x 1), each
+    group's operand K-major and contiguous; ``ks`` on the host, as its Hopper form asks."""
+    padded = [-(-s // 128) * 128 for s in sizes]
+
+    def operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data, scales, src = [], [], 0
+        for s, p in zip(sizes, padded):
+            if p:
+                group = x.new_zeros(p, x.shape[1])
+                group[:s] = x[src:src + s]
+                q, sf = upstream.per_channel_cast_to_fp8(group, use_ue8m0=False)
+                data.append(q.T.contiguous().flatten())
+                scales.append(sf)
+            src += s
+        return torch.cat(data), torch.cat(scales).T
+
+    a_fp8, b_fp8 = operand(a), operand(b)
+    d = torch.zeros(len(sizes), a.shape[1], b.shape[1], device=a.device, dtype=torch.float32)
+    ks = torch.tensor(padded, dtype=torch.int32, device=a.device)
+    return lambda: upstream.k_grouped_fp8_gemm_nt_contiguous(a_fp8, b_fp8, d, padded, ks, d)
+
+
 def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torch.dtype, upstream=None,
                  sustained: Optional[float] = None) -> dict:
-    """ms of ours (FP8), our bf16 GEMM, torch's FP8 rowwise GEMM and (m-grouped, with `upstream`)
-    upstream DeepGEMM's, FLOPs, and the two FP8 errors against the fp32 product of the bf16
-    operands; `out_dtype`: the weight gradients' output (the m-grouped GEMMs write bf16)."""
+    """ms of ours (FP8), our bf16 GEMM, torch's FP8 rowwise GEMM and (with `upstream`: m-grouped,
+    and the fp32 weight gradients) upstream DeepGEMM's, FLOPs, and the two FP8 errors against the
+    fp32 product of the bf16 operands; `out_dtype`: the weight gradients' output (the m-grouped
+    GEMMs write bf16)."""
     upstream_fn = None
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
@@ -207,6 +236,8 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
         theirs_out = lambda: theirs()[:4]  # noqa: E731
         out = lambda: d[:4]  # noqa: E731
         flops = 2 * rows * m * n
+        if upstream is not None and out_dtype == torch.float32:
+            upstream_fn = _upstream_k_grouped(upstream, a, b, sizes)
     else:
         n, k = d1, d2
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
