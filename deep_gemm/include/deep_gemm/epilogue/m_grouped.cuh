@@ -198,10 +198,14 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
 
         float (&act)[kHalf] = gate;
         float amax[2] = {0.0f, 0.0f};  // of this thread's two rows
+        // Each pair of a row's values rounded to bf16 by one pack: the one-value conversion (F2F)
+        // runs on the quarter-rate pipe the sigmoid's MUFUs keep busy (docs/PERF.md, "Decisions":
+        // SwiGLU in GEMM1's epilogue).
         #pragma unroll
-        for (uint32_t i = 0; i < kHalf; ++i) {
-            act[i] = __bfloat162float(__float2bfloat16_rn(swiglu(gate[i], up[i])));
-            amax[(i / 2) % 2] = fmaxf(amax[(i / 2) % 2], fabsf(act[i]));
+        for (uint32_t i = 0; i < kHalf; i += 2) {
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(swiglu(gate[i], up[i]), swiglu(gate[i + 1], up[i + 1]));
+            act[i] = __low2float(pair), act[i + 1] = __high2float(pair);
+            amax[(i / 2) % 2] = fmaxf(amax[(i / 2) % 2], fmaxf(fabsf(act[i]), fabsf(act[i + 1])));
         }
         float scale[2], inv[2];
         #pragma unroll
