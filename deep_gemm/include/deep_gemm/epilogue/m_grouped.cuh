@@ -200,7 +200,8 @@ struct SwiGLUFp8ActTensorStore : SwiGLUTensorStore<BLOCK_N> {
         float amax[2] = {0.0f, 0.0f};  // of this thread's two rows
         // Each pair of a row's values rounded to bf16 by one pack: the one-value conversion (F2F)
         // runs on the quarter-rate pipe the sigmoid's MUFUs keep busy (docs/PERF.md, "Decisions":
-        // SwiGLU in GEMM1's epilogue).
+        // SwiGLU in GEMM1's epilogue). (The intrinsics, not ptx::pack_bf16x2's inline asm, with which
+        // ptxas spills 816-1,048 bytes here.)
         #pragma unroll
         for (uint32_t i = 0; i < kHalf; i += 2) {
             const __nv_bfloat162 pair = __floats2bfloat162_rn(swiglu(gate[i], up[i]), swiglu(gate[i + 1], up[i + 1]));
