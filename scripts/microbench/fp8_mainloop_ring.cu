@@ -4,7 +4,13 @@
 // or epilogue. kMode 0: the producer only arrives (no bytes); 1: each stage's 48 KB by two 1-D bulk
 // copies from a 16 MB (L2-resident) region; 2: the same from 2 GB; 3: by two 2-D TMA boxes with the
 // kernel's 128-byte swizzle from two 16 MB tensors. Both products promote into one set of 64 sums
-// (two sets, as the kernel keeps, spill in this skeleton).
+// (two sets, as the kernel keeps, spill in this skeleton). kAblate (mode 0 only) takes pieces of the
+// handshake out, one bit each, to find which of them cost the clocks between this skeleton and the
+// structure benchmark (docs/PERF.md, session 49): kFixedStage, every k-block's MMAs and scales read
+// stage 0 (the barriers still go round the ring); kNoFullWait, no wait on the full barrier; kNoRelease,
+// no arrival on the empty one (with kNoFullWait; the producer then does nothing); kOneScale,
+// one scale load a product (the structure benchmark's) instead of the row and block scales and their
+// products.
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //        -I deep_gemm/include scripts/microbench/fp8_mainloop_ring.cu -o /tmp/fp8_mainloop_ring -lcuda
 //   /tmp/fp8_mainloop_ring [ms a launch]   (5: bursts; 400: the power-capped steady state)
@@ -35,7 +41,9 @@ __global__ void fill_random(uint32_t* p, uint64_t n) {
 
 struct Maps { CUtensorMap a, b; };
 
-template <int kStages, int kMode, bool kWarpRelease>
+enum Ablate : int { kFixedStage = 1, kNoFullWait = 2, kNoRelease = 4, kOneScale = 8 };
+
+template <int kStages, int kMode, bool kWarpRelease, int kAblate = 0>
 __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, uint64_t src_blocks, float* out,
                                                 long long* cycles, const __grid_constant__ Maps maps) {
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -56,7 +64,7 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
     __syncthreads();
     if (threadIdx.x >= 256) {
         ptx::warpgroup_reg_dealloc<40>();
-        if (threadIdx.x == 256) {
+        if (threadIdx.x == 256 and not (kAblate & kNoRelease)) {  // (no releases: nothing would free a stage)
             int stage = 0, phase = 0;
             for (int it = 0; it < iters; ++it) {
                 empty[stage].wait(phase ^ 1);
@@ -94,15 +102,20 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
         int stage = 0, phase = 0;
         const long long start = clock64();
         for (int it = 0; it < iters; ++it) {
-            const uint32_t s = __shfl_sync(0xffffffff, stage, 0);
+            const uint32_t s = (kAblate & kFixedStage) ? 0 : __shfl_sync(0xffffffff, stage, 0);
             const float* scales = reinterpret_cast<const float*>(smem + s * kStageBytes + kBytesA + kBytesB);
             #pragma unroll
             for (int p = 0; p < 2; ++p) {
-                if (p == 0)
+                if (p == 0 and not (kAblate & kNoFullWait))
                     full[stage].wait(phase);
                 // (the row and block scales read from the stage as the kernel reads them; never rewritten)
-                const float b = ptx::ld_shared_f32(scales + 200 + p);
-                const float r0 = ptx::ld_shared_f32(scales + row) * b, r1 = ptx::ld_shared_f32(scales + row + 8) * b;
+                float r0, r1;
+                if constexpr ((kAblate & kOneScale) != 0) {
+                    r0 = r1 = ptx::ld_shared_f32(scales + (it + p) % 256);
+                } else {
+                    const float b = ptx::ld_shared_f32(scales + 200 + p);
+                    r0 = ptx::ld_shared_f32(scales + row) * b, r1 = ptx::ld_shared_f32(scales + row + 8) * b;
+                }
                 ptx::named_barrier_sync(8 + (wg ^ 1), 256);
                 warpgroup_fence_operand(part);
                 warpgroup_arrive();
@@ -120,7 +133,7 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
                         __syncwarp();
                         if (ptx::lane_idx() == 0)
                             empty[stage].arrive();
-                    } else {
+                    } else if constexpr ((kAblate & kNoRelease) == 0) {
                         empty[stage].arrive();
                     }
                     if (++stage == kStages)
@@ -142,11 +155,13 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
     }
 }
 
-template <int kStages, int kMode, bool kWarpRelease>
+template <int kStages, int kMode, bool kWarpRelease, int kAblate = 0>
 void run(const char* name, int num_sms, const uint8_t* src, uint64_t src_blocks, float* out, long long* cycles,
          double target_ms, const Maps& maps) {
     constexpr int smem = kStages * kStageBytes + 2 * kStages * 8;
-    auto kernel = bench<kStages, kMode, kWarpRelease>;
+    static_assert(kAblate == 0 or kMode == 0, "the ablations feed no bytes");
+    static_assert(not (kAblate & kNoRelease) or (kAblate & kNoFullWait), "without releases the ring stops");
+    auto kernel = bench<kStages, kMode, kWarpRelease, kAblate>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const Timing t = time_launches(name, num_sms, cycles, target_ms, [&](int iters) {
         kernel<<<num_sms, 384, smem>>>(iters, src, src_blocks, out, cycles, maps);
@@ -184,6 +199,16 @@ int main(int argc, char** argv) {
     printf("target %.0f ms a launch, %d CTAs; 128 x 256 tile, k-block 128, turns, promotion\n", target_ms, num_sms);
     run<3, 0, false>("3 stages, no loads, thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<3, 0, true>("3 stages, no loads, warp releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    // the handshake's pieces taken out (no loads, thread releases)
+    run<3, 0, false, kFixedStage>("  - every k-block on stage 0", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    run<3, 0, false, kNoFullWait>("  - no full wait", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    run<3, 0, false, kNoFullWait | kNoRelease>("  - no full wait, no release", num_sms, src, l2_blocks, out, cycles,
+                                                target_ms, maps);
+    run<3, 0, false, kOneScale>("  - one scale a product", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    run<3, 0, false, kFixedStage | kNoFullWait | kNoRelease>("  - stage 0, no full wait, no release", num_sms, src,
+                                                              l2_blocks, out, cycles, target_ms, maps);
+    run<3, 0, false, kFixedStage | kNoFullWait | kNoRelease | kOneScale>("  - all four", num_sms, src, l2_blocks, out,
+                                                                          cycles, target_ms, maps);
     run<3, 1, false>("3 stages, L2 loads (16 MB), thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<3, 1, true>("3 stages, L2 loads (16 MB), warp releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<4, 1, false>("4 stages, L2 loads (16 MB), thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
