@@ -10,7 +10,8 @@
 // stage 0 (the barriers still go round the ring); kNoFullWait, no wait on the full barrier; kNoRelease,
 // no arrival on the empty one (with kNoFullWait; the producer then does nothing); kOneScale,
 // one scale load a product (the structure benchmark's) instead of the row and block scales and their
-// products.
+// products; kPerThreadWarpgroup (any mode), the warpgroup index per thread as session 42's skeleton
+// had it, not uniform.
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //        -I deep_gemm/include scripts/microbench/fp8_mainloop_ring.cu -o /tmp/fp8_mainloop_ring -lcuda
 //   /tmp/fp8_mainloop_ring [ms a launch]   (5: bursts; 400: the power-capped steady state)
@@ -41,7 +42,7 @@ __global__ void fill_random(uint32_t* p, uint64_t n) {
 
 struct Maps { CUtensorMap a, b; };
 
-enum Ablate : int { kFixedStage = 1, kNoFullWait = 2, kNoRelease = 4, kOneScale = 8 };
+enum Ablate : int { kFixedStage = 1, kNoFullWait = 2, kNoRelease = 4, kOneScale = 8, kPerThreadWarpgroup = 16 };
 
 template <int kStages, int kMode, bool kWarpRelease, int kAblate = 0>
 __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, uint64_t src_blocks, float* out,
@@ -89,7 +90,10 @@ __global__ void __launch_bounds__(384, 1) bench(int iters, const uint8_t* src, u
         }
     } else {
         ptx::warpgroup_reg_alloc<232>();
-        const uint32_t wg = threadIdx.x / 128;
+        // (uniform, as the kernel makes it; kPerThreadWarpgroup: threadIdx.x / 128, as session 42 built
+        // this skeleton, which ptxas recomputed from the thread index every k-block, with a shuffle of
+        // the stage index)
+        const uint32_t wg = (kAblate & kPerThreadWarpgroup) ? threadIdx.x / 128 : ptx::warpgroup_idx();
         const uint32_t row = wg * 64 + (threadIdx.x % 128 / 32) * 16 + ptx::lane_idx() / 4;
         const uint64_t desc_a0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem + wg * 64 * 128, 0));
         const uint64_t desc_b0 = warp_uniform_desc(make_operand_desc<Major::kKMajor>(smem + kBytesA, 0));
@@ -159,7 +163,7 @@ template <int kStages, int kMode, bool kWarpRelease, int kAblate = 0>
 void run(const char* name, int num_sms, const uint8_t* src, uint64_t src_blocks, float* out, long long* cycles,
          double target_ms, const Maps& maps) {
     constexpr int smem = kStages * kStageBytes + 2 * kStages * 8;
-    static_assert(kAblate == 0 or kMode == 0, "the ablations feed no bytes");
+    static_assert((kAblate & ~kPerThreadWarpgroup) == 0 or kMode == 0, "the ablations feed no bytes");
     static_assert(not (kAblate & kNoRelease) or (kAblate & kNoFullWait), "without releases the ring stops");
     auto kernel = bench<kStages, kMode, kWarpRelease, kAblate>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -199,6 +203,8 @@ int main(int argc, char** argv) {
     printf("target %.0f ms a launch, %d CTAs; 128 x 256 tile, k-block 128, turns, promotion\n", target_ms, num_sms);
     run<3, 0, false>("3 stages, no loads, thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<3, 0, true>("3 stages, no loads, warp releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    run<3, 0, false, kPerThreadWarpgroup>("  + warpgroup index per thread (session 42's)", num_sms, src, l2_blocks,
+                                           out, cycles, target_ms, maps);
     // the handshake's pieces taken out (no loads, thread releases)
     run<3, 0, false, kFixedStage>("  - every k-block on stage 0", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<3, 0, false, kNoFullWait>("  - no full wait", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
@@ -213,6 +219,8 @@ int main(int argc, char** argv) {
     run<3, 1, true>("3 stages, L2 loads (16 MB), warp releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<4, 1, false>("4 stages, L2 loads (16 MB), thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
     run<3, 3, false>("3 stages, 2-D TMA boxes (32 MB), thread releases", num_sms, src, l2_blocks, out, cycles, target_ms, maps);
+    run<3, 3, false, kPerThreadWarpgroup>("  + warpgroup index per thread (session 42's)", num_sms, src, l2_blocks,
+                                           out, cycles, target_ms, maps);
     run<3, 2, false>("3 stages, loads from 2 GB, thread releases", num_sms, src, big_blocks, out, cycles, target_ms, maps);
     return 0;
 }
