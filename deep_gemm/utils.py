@@ -18,7 +18,10 @@ def device_num_sms(device: int) -> int:
 
 
 def set_num_sms(num_sms: int) -> None:
-    """Caps the number of SMs (persistent CTAs) the kernels use, e.g. to leave SMs to communication."""
+    """Caps the GEMMs' persistent CTAs (one an SM) at `num_sms`, e.g. to leave SMs to communication.
+    The memory-bound kernels (quantization, the SwiGLU passes, the combine) launch a few CTAs a
+    capped SM (up to 16), which the hardware may place on any SM: a cap on their parallelism, not
+    on the SMs they touch."""
     if not isinstance(num_sms, int) or num_sms <= 0:
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     global _num_sms
