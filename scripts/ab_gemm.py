@@ -18,7 +18,6 @@ step runs in), and the rows add each tree's SM clock and power. Needs a Hopper G
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from bench_common import require_sm90  # noqa: E402
+from bench_common import import_deep_gemm, require_sm90  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
 from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import SustainedTiming, bench_ms, offsets_from_sizes, sustained_ms, warm_up_gpu  # noqa: E402
@@ -37,17 +36,6 @@ from deep_gemm.testing import SustainedTiming, bench_ms, offsets_from_sizes, sus
 # The FP8 layer's forms of GEMM1's shape (rows gathered, SwiGLU with an e4m3 act, both), timed beside
 # bench_gemm.py's FP8 cases.
 FWD1_VARIANTS = ("fwd1 gather", "fwd1 swiglu", "fwd1 gather swiglu")
-
-
-def import_checkout(path: str, name: str):
-    """The `deep_gemm` package of the checkout at `path`, as module `name`."""
-    package = os.path.join(os.path.abspath(path), "deep_gemm")
-    spec = importlib.util.spec_from_file_location(name, os.path.join(package, "__init__.py"),
-                                                  submodule_search_locations=[package])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_call(lib, kind: str, d1: int, d2: int, sizes: list, out_dtype: torch.dtype, inputs: dict):
@@ -143,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else ("",)
     require_sm90("ab_gemm.py")
-    base = import_checkout(args.base, "deep_gemm_base")
+    base = import_deep_gemm(args.base, "deep_gemm_base")
     gen = torch.Generator().manual_seed(args.seed)
     warm_up_gpu()
     clocks = f" {'base MHz':>8} {'new MHz':>8} {'base W':>6} {'new W':>6}" if args.sustained else ""

@@ -27,14 +27,18 @@ def require_sm90(script: str, num_gpus: int = 1) -> None:
                      f"(sm_{major}{minor})")
 
 
-def load_upstream_deep_gemm(directory: str):
-    """Upstream DeepGEMM's package from `directory` (a checkout built in place by its develop.sh,
-    e.g. one patched by scripts/apply_patches.sh), imported as `upstream_deep_gemm` so that it
+def import_deep_gemm(directory: str, name: str):
+    """The `deep_gemm` package of the checkout at `directory`, imported as module `name`, so that it
     lives beside ours in one process (its modules import each other relatively)."""
-    root = Path(directory) / "deep_gemm"
-    spec = importlib.util.spec_from_file_location("upstream_deep_gemm", root / "__init__.py",
-                                                  submodule_search_locations=[str(root)])
+    root = Path(directory).resolve() / "deep_gemm"
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_upstream_deep_gemm(directory: str):
+    """Upstream DeepGEMM's package from `directory` (a checkout built in place by its develop.sh,
+    e.g. one patched by scripts/apply_patches.sh), as `upstream_deep_gemm`."""
+    return import_deep_gemm(directory, "upstream_deep_gemm")
