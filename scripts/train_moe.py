@@ -14,9 +14,11 @@ backend, and how far each loss curve is from the first backend's: at any step, a
 logged step (the mean loss of each `--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
 times (`--plot`), and with `--json` each backend's per-step losses and step times. A backend
 named twice in `--backends` runs twice (the second as name#2): its spread against itself.
-Needs a Hopper GPU.
+`--compile` runs every backend's model under `torch.compile` (its forward, as a training script
+compiles it; the backward through AOTAutograd): the layers around the experts then run fused,
+the same for every backend. Needs a Hopper GPU.
 
-    python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe] [--log-every 10]
+    python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe] [--log-every 10] [--compile]
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def train(backend: str, label: str, args, data: torch.Tensor) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = make_model(args.layers, backend, args.seed)
+    if args.compile:
+        model.forward = torch.compile(model.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     batch_size = args.tokens // args.seq
@@ -141,6 +145,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="steps a logged loss averages")
     parser.add_argument("--plot", default="train_moe.png")
     parser.add_argument("--json", default=None, help="write each backend's per-step losses and step times here")
+    parser.add_argument("--compile", action="store_true",
+                        help="run each backend's model under torch.compile (the first step, which compiles, is left out as always)")
     parser.add_argument("--fp8-weight-copies", default="per_step", choices=("per_step", "per_call", "per_gemm"),
                         help="how long megamoe_fp8's FP8 weight copies live (deep_gemm.Fp8WeightCopies)")
     args = parser.parse_args()
@@ -176,7 +182,7 @@ def main() -> None:
                      f"{max(r['times'][1:]):>8.1f} {r['times'][0]:>9.1f} {r['peak'] / 2**30:>8.2f} "
                      f"{base_median / median:>5.2f}x {r['losses'][-1]:>10.4f} {100 * diff:>12.2f}% {100 * logged_diff:>14.2f}%")
     print(f"{args.layers} layers, {args.tokens} tokens per step ({args.tokens // args.seq} x {args.seq}), {args.steps} "
-          f"steps; max step / logged diff: the largest relative difference from {base}'s loss at any step / "
+          f"steps{', torch.compile' if args.compile else ', eager'}; max step / logged diff: the largest relative difference from {base}'s loss at any step / "
           f"in any mean of {args.log_every} steps")
     print("\n".join(lines))
     if args.plot:
