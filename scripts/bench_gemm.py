@@ -22,7 +22,10 @@ beforehand (scripts/bench_fp8_quant.py times the quantization),
 against our bf16 GEMM of the same shape and torch._scaled_grouped_mm with rowwise e4m3 scales
 and fast accumulation, all three in one run. torch's weight-gradient form refuses empty groups
 and groups that are not multiples of 16, so it gets every group padded with zero rows to a
-multiple of 16 (at least 16); its TFLOPS count our unpadded FLOPs. Errors: against the fp32
+multiple of 16 (at least 16); its TFLOPS count our unpadded FLOPs. It writes bf16 only (it refuses
+other output dtypes), so on the fp32 weight-gradient rows "ratio" sets our fp32 output against its
+bf16 one, which writes half the bytes, and "+fp32" against its bf16 output copied into an fp32
+gradient, as the bf16 table's fp32 rows time torch._grouped_mm. Errors: against the fp32
 product of the original bf16 operands (weight gradients: over the first four groups).
 `--upstream DIR` (a DeepGEMM checkout built in place) adds upstream's FP8 m-grouped GEMM to the
 forward and data-gradient rows, on groups padded to its alignment with its own casts (per token
@@ -217,7 +220,7 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
     and the fp32 weight gradients) upstream DeepGEMM's, FLOPs, and the two FP8 errors against the
     fp32 product of the bf16 operands; `out_dtype`: the weight gradients' output (the m-grouped
     GEMMs write bf16)."""
-    upstream_fn = None
+    upstream_fn = theirs_fp32 = None
     rows, num_groups = sum(sizes), len(sizes)
     offsets = offsets_from_sizes(sizes)
     if label.startswith("wgrad"):
@@ -231,6 +234,9 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
                                                                   qa.padded_offsets)
         bf16 = lambda: deep_gemm.k_grouped_bf16_gemm_tn_contiguous(a, b, d_bf16, offsets)  # noqa: E731
         theirs, _ = torch_fp8_rowwise_wgrad(a, b, sizes)
+        if out_dtype == torch.float32:  # torch's FP8 grouped GEMM writes bf16 alone: its output copied into fp32 too
+            d_torch = torch.empty_like(d)
+            theirs_fp32 = lambda: d_torch.copy_(theirs())  # noqa: E731
         bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))[:4]  # errors over the first 4 groups
         exact = lambda: torch.stack([a[lo:hi].float().T @ b[lo:hi].float() for lo, hi in bounds])  # noqa: E731
         theirs_out = lambda: theirs()[:4]  # noqa: E731
@@ -273,14 +279,15 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
     del ref
     ours_ms, torch_ms = interleaved_ms(ours, theirs, sustained=sustained)
     bf16_ms, _ = interleaved_ms(bf16, None, sustained=sustained)
+    torch_fp32_ms = interleaved_ms(theirs_fp32, None, sustained=sustained)[0] if theirs_fp32 and theirs else float("nan")
     upstream_ms = float("nan")
     if upstream_fn is not None:
         try:
             upstream_ms = interleaved_ms(upstream_fn, None, sustained=sustained)[0]
         except Exception as e:  # report, keep going
             print(f"upstream DeepGEMM failed for {label}: {e}", flush=True)
-    return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, upstream=upstream_ms, flops=flops, err=err,
-                torch_err=torch_err)
+    return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, torch_fp32=torch_fp32_ms, upstream=upstream_ms, flops=flops,
+                err=err, torch_err=torch_err)
 
 
 def interleaved_ms(fn, baseline, rounds: int = 3, sustained: Optional[float] = None):
@@ -359,7 +366,7 @@ def main() -> None:
     if "fp8" in args.precision.split(","):
         upstream = load_upstream_deep_gemm(args.upstream) if args.upstream else None
         header = (f"{'model':<5} {'route':<7} {'fp8 gemm':<12} {'shape':<18} {'ours ms':>8} {'TFLOPS':>7} {'vs bf16':>7} "
-                  f"{'torch fp8':>9} {'TFLOPS':>7} {'ratio':>6} {'err':>8} {'torch err':>9}"
+                  f"{'torch fp8':>9} {'TFLOPS':>7} {'ratio':>6} {'+fp32':>6} {'err':>8} {'torch err':>9}"
                   + (f" {'DeepGEMM':>8} {'TFLOPS':>7} {'ratio':>6}" if upstream else ""))
         lines.append(header)
         print(header, flush=True)
@@ -370,7 +377,7 @@ def main() -> None:
             shape = f"{sum(sizes)},{d1},{d2}" if kind != "tn" else f"{d1},{d2}"
             line = (f"{model:<5} {routing:<7} {label:<12} {shape:<18} {r['ours']:>8.3f} {r['flops'] / r['ours'] / 1e9:>7.0f} "
                     f"{r['bf16'] / r['ours']:>6.2f}x {r['torch']:>9.3f} {r['flops'] / r['torch'] / 1e9:>7.0f} "
-                    f"{r['torch'] / r['ours']:>6.2f} {r['err']:>8.1e} {r['torch_err']:>9.1e}"
+                    f"{r['torch'] / r['ours']:>6.2f} {r['torch_fp32'] / r['ours']:>6.2f} {r['err']:>8.1e} {r['torch_err']:>9.1e}"
                     + (f" {r['upstream']:>8.3f} {r['flops'] / r['upstream'] / 1e9:>7.0f} {r['upstream'] / r['ours']:>6.2f}"
                        if upstream else ""))
             lines.append(line)
