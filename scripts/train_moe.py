@@ -14,9 +14,9 @@ backend, and how far each loss curve is from the first backend's: at any step, a
 logged step (the mean loss of each `--log-every` steps, as a training framework logs it); writes a PNG of the loss curves and step
 times (`--plot`), and with `--json` each backend's per-step losses and step times. A backend
 named twice in `--backends` runs twice (the second as name#2): its spread against itself.
-`--compile` runs every backend's model under `torch.compile` (its forward, as a training script
-compiles it; the backward through AOTAutograd): the layers around the experts then run fused,
-the same for every backend. Needs a Hopper GPU.
+`--compile` runs every backend's decoder layers under `torch.compile` (each layer compiled, as
+TorchTitan compiles its blocks; the backward through AOTAutograd): the attention, norms and
+router around the experts then run fused, the same for every backend. Needs a Hopper GPU.
 
     python scripts/train_moe.py [--steps 100] [--layers 4] [--tokens 16384] [--backends grouped_mm,megamoe] [--log-every 10] [--compile]
 """
@@ -70,8 +70,9 @@ def train(backend: str, label: str, args, data: torch.Tensor) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = make_model(args.layers, backend, args.seed)
-    if args.compile:
-        model.forward = torch.compile(model.forward)
+    if args.compile:  # each decoder layer, as TorchTitan compiles its blocks
+        for layer in model.model.layers:
+            layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     batch_size = args.tokens // args.seq
@@ -146,7 +147,7 @@ def main() -> None:
     parser.add_argument("--plot", default="train_moe.png")
     parser.add_argument("--json", default=None, help="write each backend's per-step losses and step times here")
     parser.add_argument("--compile", action="store_true",
-                        help="run each backend's model under torch.compile (the first step, which compiles, is left out as always)")
+                        help="each backend's decoder layers under torch.compile (the first step, which compiles, is left out as always)")
     parser.add_argument("--fp8-weight-copies", default="per_step", choices=("per_step", "per_call", "per_gemm"),
                         help="how long megamoe_fp8's FP8 weight copies live (deep_gemm.Fp8WeightCopies)")
     args = parser.parse_args()
