@@ -1,10 +1,13 @@
 """Grouped GEMMs of this checkout against another checkout's, in one process: the other
 checkout's `deep_gemm` is imported under another name (the package imports itself only
 relatively), and each case alternates the two, call for call, over many rounds, so that the
-GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s.
+GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s. More checkouts
+after BASE join the rotation (each round starts one tree later), each printed with its own
+time and ratio to BASE: several candidates in one run, and with BASE this checkout's own kernels
+(a copy of it), new / base is the run's noise.
 
-    python scripts/ab_gemm.py BASE_CHECKOUT [--models 30b,235b,v3] [--routing uniform,skewed] [--rounds 10]
-                              [--precision bf16|fp8] [--only wgrad1,wgrad2] [--sustained SECONDS]
+    python scripts/ab_gemm.py BASE_CHECKOUT [MORE_CHECKOUTS ...] [--models 30b,235b,v3] [--routing uniform,skewed]
+                              [--rounds 10] [--precision bf16|fp8] [--only wgrad1,wgrad2] [--sustained SECONDS]
 
 With `--precision fp8`, the blockwise-FP8 GEMMs of `bench_gemm.py --precision fp8` (the forward
 and data gradients on m-grouped FP8, the weight gradients with bf16 and fp32 output on k-grouped
@@ -120,6 +123,7 @@ def _median_or_nan(values) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
+    parser.add_argument("more", nargs="*", help="more checkouts, each timed against BASE in the same rounds")
     parser.add_argument("--models", default="30b,235b,v3")
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--rounds", type=int, default=10)
@@ -131,12 +135,19 @@ def main() -> None:
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else ("",)
     require_sm90("ab_gemm.py")
-    base = import_deep_gemm(args.base, "deep_gemm_base")
+    libs = {"new": deep_gemm, "base": import_deep_gemm(args.base, "deep_gemm_base")}
+    for i, directory in enumerate(args.more):
+        name = os.path.basename(os.path.normpath(directory))
+        libs[name if name not in libs else f"{name}{i}"] = import_deep_gemm(directory, f"deep_gemm_more{i}")
+    more = list(libs)[2:]
     gen = torch.Generator().manual_seed(args.seed)
     warm_up_gpu()
     clocks = f" {'base MHz':>8} {'new MHz':>8} {'base W':>6} {'new W':>6}" if args.sustained else ""
-    print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}{clocks}", flush=True)
-    worst = 0.0
+    columns = "".join(f" {name + ' ms':>9} {name + '/base':>9}" + (f" {name + ' MHz':>9}" if args.sustained else "")
+                      for name in more)
+    print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}{clocks}{columns}",
+          flush=True)
+    worst = {name: 0.0 for name in libs if name != "base"}
     for model, routing, sizes, (label, kind, d1, d2, out_dtype) in _cases(args.models, args.routing, gen, args.precision):
         if args.precision == "fp8" and label not in FP8_CASES + FWD1_VARIANTS:
             continue
@@ -144,27 +155,30 @@ def main() -> None:
             continue
         inputs: dict = {}
         if args.precision == "fp8":
-            calls = {"new": make_fp8_call(deep_gemm, label, d1, d2, sizes, out_dtype, inputs),
-                     "base": make_fp8_call(base, label, d1, d2, sizes, out_dtype, inputs)}
+            calls = {name: make_fp8_call(lib, label, d1, d2, sizes, out_dtype, inputs) for name, lib in libs.items()}
         else:
-            calls = {"new": make_call(deep_gemm, kind, d1, d2, sizes, out_dtype, inputs),
-                     "base": make_call(base, kind, d1, d2, sizes, out_dtype, inputs)}
-        runs = {"new": [], "base": []}
+            calls = {name: make_call(lib, kind, d1, d2, sizes, out_dtype, inputs) for name, lib in libs.items()}
+        runs = {name: [] for name in libs}
+        order = list(libs)
         for r in range(args.rounds):
-            for tree in (("new", "base") if r % 2 == 0 else ("base", "new")):
+            for tree in order[r % len(order):] + order[:r % len(order)]:  # (two trees: new, base; then base, new)
                 runs[tree].append(sustained_ms(calls[tree], args.sustained) if args.sustained else
                                   SustainedTiming(bench_ms(calls[tree], warmup=2, iters=10), None, None))
-        b, n = (statistics.median(t.ms for t in runs[tree]) for tree in ("base", "new"))
-        worst = max(worst, n / b)
+        ms = {name: statistics.median(t.ms for t in runs[name]) for name in libs}
+        mhz = {name: _median_or_nan(t.sm_mhz for t in runs[name]) for name in libs}
+        b, n = ms["base"], ms["new"]
+        for name in worst:
+            worst[name] = max(worst[name], ms[name] / b)
         line = f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}"
         if args.sustained:
-            mhz = [_median_or_nan(t.sm_mhz for t in runs[tree]) for tree in ("base", "new")]
             watts = [_median_or_nan(t.watts for t in runs[tree]) for tree in ("base", "new")]
-            line += f" {mhz[0]:>8.0f} {mhz[1]:>8.0f} {watts[0]:>6.0f} {watts[1]:>6.0f}"
+            line += f" {mhz['base']:>8.0f} {mhz['new']:>8.0f} {watts[0]:>6.0f} {watts[1]:>6.0f}"
+        for name in more:
+            line += f" {ms[name]:>9.3f} {ms[name] / b:>9.3f}" + (f" {mhz[name]:>9.0f}" if args.sustained else "")
         print(line, flush=True)
         del inputs, calls
         torch.cuda.empty_cache()
-    print(f"worst new/base: {worst:.3f}")
+    print("worst against base: " + ", ".join(f"{name} {ratio:.3f}" for name, ratio in worst.items()))
 
 
 if __name__ == "__main__":
