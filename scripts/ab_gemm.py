@@ -2,9 +2,10 @@
 checkout's `deep_gemm` is imported under another name (the package imports itself only
 relatively), and each case alternates the two, call for call, over many rounds, so that the
 GPU's clock drifts hit both alike. The cases and inputs are `bench_gemm.py`'s. More checkouts
-after BASE join the rotation (each round starts one tree later), each printed with its own
-time and ratio to BASE: several candidates in one run, and with BASE this checkout's own kernels
-(a copy of it), new / base is the run's noise.
+after BASE join the rotation (each round starts one tree later, and the rounds are rounded up to
+a multiple of the trees, so that each tree takes each place in the order equally often), each
+printed with its own time and ratio to BASE: several candidates in one run, and with BASE this
+checkout's own kernels (a copy of it), new / base is the run's noise.
 
     python scripts/ab_gemm.py BASE_CHECKOUT [MORE_CHECKOUTS ...] [--models 30b,235b,v3] [--routing uniform,skewed]
                               [--rounds 10] [--precision bf16|fp8] [--only wgrad1,wgrad2] [--sustained SECONDS]
@@ -138,13 +139,19 @@ def main() -> None:
     libs = {"new": deep_gemm, "base": import_deep_gemm(args.base, "deep_gemm_base")}
     for i, directory in enumerate(args.more):
         name = os.path.basename(os.path.normpath(directory))
-        libs[name if name not in libs else f"{name}{i}"] = import_deep_gemm(directory, f"deep_gemm_more{i}")
+        while name in libs:
+            name += "'"
+        libs[name] = import_deep_gemm(directory, f"deep_gemm_more{i}")
     more = list(libs)[2:]
+    rounds = -(-args.rounds // len(libs)) * len(libs)
+    if rounds != args.rounds:
+        print(f"(rounds {args.rounds} -> {rounds}: a multiple of the {len(libs)} trees)")
     gen = torch.Generator().manual_seed(args.seed)
     warm_up_gpu()
     clocks = f" {'base MHz':>8} {'new MHz':>8} {'base W':>6} {'new W':>6}" if args.sustained else ""
-    columns = "".join(f" {name + ' ms':>9} {name + '/base':>9}" + (f" {name + ' MHz':>9}" if args.sustained else "")
-                      for name in more)
+    width = max([9] + [len(name) + 5 for name in more])
+    extra = ("ms", "/base", "MHz", "W") if args.sustained else ("ms", "/base")
+    columns = "".join(f" {name + (' ' if part[0] != '/' else '') + part:>{width}}" for name in more for part in extra)
     print(f"{'model':<5} {'route':<7} {'gemm':<12} {'base ms':>8} {'new ms':>8} {'new/base':>8}{clocks}{columns}",
           flush=True)
     worst = {name: 0.0 for name in libs if name != "base"}
@@ -160,21 +167,23 @@ def main() -> None:
             calls = {name: make_call(lib, kind, d1, d2, sizes, out_dtype, inputs) for name, lib in libs.items()}
         runs = {name: [] for name in libs}
         order = list(libs)
-        for r in range(args.rounds):
+        for r in range(rounds):
             for tree in order[r % len(order):] + order[:r % len(order)]:  # (two trees: new, base; then base, new)
                 runs[tree].append(sustained_ms(calls[tree], args.sustained) if args.sustained else
                                   SustainedTiming(bench_ms(calls[tree], warmup=2, iters=10), None, None))
         ms = {name: statistics.median(t.ms for t in runs[name]) for name in libs}
         mhz = {name: _median_or_nan(t.sm_mhz for t in runs[name]) for name in libs}
+        watts = {name: _median_or_nan(t.watts for t in runs[name]) for name in libs}
         b, n = ms["base"], ms["new"]
         for name in worst:
             worst[name] = max(worst[name], ms[name] / b)
         line = f"{model:<5} {routing:<7} {label:<12} {b:>8.3f} {n:>8.3f} {n / b:>8.3f}"
         if args.sustained:
-            watts = [_median_or_nan(t.watts for t in runs[tree]) for tree in ("base", "new")]
-            line += f" {mhz['base']:>8.0f} {mhz['new']:>8.0f} {watts[0]:>6.0f} {watts[1]:>6.0f}"
+            line += f" {mhz['base']:>8.0f} {mhz['new']:>8.0f} {watts['base']:>6.0f} {watts['new']:>6.0f}"
         for name in more:
-            line += f" {ms[name]:>9.3f} {ms[name] / b:>9.3f}" + (f" {mhz[name]:>9.0f}" if args.sustained else "")
+            line += f" {ms[name]:>{width}.3f} {ms[name] / b:>{width}.3f}"
+            if args.sustained:
+                line += f" {mhz[name]:>{width}.0f} {watts[name]:>{width}.0f}"
         print(line, flush=True)
         del inputs, calls
         torch.cuda.empty_cache()

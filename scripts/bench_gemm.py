@@ -25,7 +25,8 @@ and groups that are not multiples of 16, so it gets every group padded with zero
 multiple of 16 (at least 16); its TFLOPS count our unpadded FLOPs. It writes bf16 only (it refuses
 other output dtypes), so on the fp32 weight-gradient rows "ratio" sets our fp32 output against its
 bf16 one, which writes half the bytes, and "+fp32" against its bf16 output copied into an fp32
-gradient, as the bf16 table's fp32 rows time torch._grouped_mm. Errors: against the fp32
+gradient (timed in the same rounds as ours and its GEMM alone), as the bf16 table's fp32 rows time
+torch._grouped_mm. Errors: against the fp32
 product of the original bf16 operands (weight gradients: over the first four groups).
 `--upstream DIR` (a DeepGEMM checkout built in place) adds upstream's FP8 m-grouped GEMM to the
 forward and data-gradient rows, on groups padded to its alignment with its own casts (per token
@@ -158,7 +159,7 @@ def run_case(kind, d1, d2, sizes, out_dtype=torch.bfloat16, sweep=False, sustain
     err = (relative_error(d.flatten()[:1 << 24].float(), ref.flatten()[:1 << 24].float())
            if ref is not None and ref.shape == d.shape else float("nan"))
     ours_ms, torch_ms = interleaved_ms(ours, theirs, sustained=sustained)
-    swept = {c: interleaved_ms(lambda c=c: ours(c), None, sustained=sustained)[0] for c in configs} if sweep else {}
+    swept = {c: interleaved_ms(lambda c=c: ours(c), sustained=sustained)[0] for c in configs} if sweep else {}
     return ours_ms, torch_ms, err, flops, swept
 
 
@@ -277,31 +278,30 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
         print(f"torch._scaled_grouped_mm failed for {label}: {e}", flush=True)
         theirs, torch_err = None, float("nan")
     del ref
-    ours_ms, torch_ms = interleaved_ms(ours, theirs, sustained=sustained)
-    bf16_ms, _ = interleaved_ms(bf16, None, sustained=sustained)
-    torch_fp32_ms = interleaved_ms(theirs_fp32, None, sustained=sustained)[0] if theirs_fp32 and theirs else float("nan")
+    ours_ms, torch_ms, torch_fp32_ms = interleaved_ms(ours, theirs, theirs_fp32 if theirs else None, sustained=sustained)
+    bf16_ms, = interleaved_ms(bf16, sustained=sustained)
     upstream_ms = float("nan")
     if upstream_fn is not None:
         try:
-            upstream_ms = interleaved_ms(upstream_fn, None, sustained=sustained)[0]
+            upstream_ms, = interleaved_ms(upstream_fn, sustained=sustained)
         except Exception as e:  # report, keep going
             print(f"upstream DeepGEMM failed for {label}: {e}", flush=True)
     return dict(ours=ours_ms, bf16=bf16_ms, torch=torch_ms, torch_fp32=torch_fp32_ms, upstream=upstream_ms, flops=flops,
                 err=err, torch_err=torch_err)
 
 
-def interleaved_ms(fn, baseline, rounds: int = 3, sustained: Optional[float] = None):
-    """Median over `rounds` alternating rounds of (fn, baseline) timings: slow drifts of the
-    GPU's clock hit both sides alike. Bursts (`bench_ms`), or with `sustained`, that many seconds
-    of back-to-back calls a round (`sustained_ms`)."""
+def interleaved_ms(*fns, rounds: int = 3, sustained: Optional[float] = None) -> list[float]:
+    """Each of `fns`' median over `rounds` rounds, each round timing them one after another, so that
+    slow drifts of the GPU's clock hit all alike (NaN for a None). Bursts (`bench_ms`), or with
+    `sustained`, that many seconds of back-to-back calls a round (`sustained_ms`)."""
     time_ms = ((lambda f: sustained_ms(f, sustained).ms) if sustained
                else (lambda f: bench_ms(f, warmup=2, iters=10)))
-    ours, theirs = [], []
+    times = [[] for _ in fns]
     for _ in range(rounds):
-        ours.append(time_ms(fn))
-        if baseline is not None:
-            theirs.append(time_ms(baseline))
-    return upper_median(ours), upper_median(theirs)
+        for fn, fn_times in zip(fns, times):
+            if fn is not None:
+                fn_times.append(time_ms(fn))
+    return [upper_median(fn_times) for fn_times in times]
 
 
 def launch_overhead_us() -> tuple[float, float]:
