@@ -3,7 +3,9 @@
 For each standard shape (docs/DESIGN.md) and routing: fwd, bwd and fwd+bwd ms (medians of CUDA
 event timings), TFLOPS (forward 6*T*K*H*I FLOPs, backward twice that) and the peak memory
 above the inputs, allocated (tensors alive) and reserved (what the caching allocator holds:
-a block freed on a side stream stays there while that stream may still use it), for
+a block freed on a side stream stays there while that stream may still use it), and "step GB":
+a later step's peak allocated above what the first left held (what an implementation caches
+across steps, such as the FP8 weight copies cached per optimizer step, left out), for
     ours     megamoe_bwd.mega_moe (autograd; weight gradients in the weights' dtype)
     ours fp8 megamoe_bwd.mega_moe(..., fp8=True): the expert GEMMs in blockwise FP8, bf16 in
              and out (TFLOPS counted as for bf16); `--no-fp8` leaves it and the next out;
@@ -168,17 +170,24 @@ def _recorded_event() -> torch.cuda.Event:
 
 
 def time_fwd_bwd(fn, inputs, dy, iters: int = 10, warmup: int = 3):
-    """Median fwd ms, median bwd ms, peak allocated and peak reserved bytes above the inputs."""
+    """Median fwd ms, median bwd ms, and bytes: the peak allocated and the peak reserved above the
+    inputs over every step, and the peak allocated of a later step above what the earlier ones
+    left held (`fn`'s caches: the FP8 weight copies under PER_STEP; the step's own memory)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.empty_cache()  # blocks cached by an earlier impl would hide this one's reservations
     base_reserved = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    steps = _fwd_bwd_steps(fn, inputs, dy, iters, warmup, _recorded_event)
-    peak = torch.cuda.max_memory_allocated() - base
-    peak_reserved = torch.cuda.max_memory_reserved() - base_reserved
+    _fwd_bwd_steps(fn, inputs, dy, 1, 0, _recorded_event)  # (its leaves and gradients are gone after it)
+    held = torch.cuda.memory_allocated()
+    first_peak, first_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    steps = _fwd_bwd_steps(fn, inputs, dy, iters, max(warmup - 1, 0), _recorded_event)
+    peak = max(first_peak, torch.cuda.max_memory_allocated()) - base
+    peak_reserved = max(first_reserved, torch.cuda.max_memory_reserved()) - base_reserved
+    step_peak = torch.cuda.max_memory_allocated() - held
     return (upper_median(a.elapsed_time(b) for a, b, _ in steps),
-            upper_median(b.elapsed_time(c) for _, b, c in steps), peak, peak_reserved)
+            upper_median(b.elapsed_time(c) for _, b, c in steps), peak, peak_reserved, step_peak)
 
 
 def host_issue_ms(fn, inputs, dy, iters: int = 10, warmup: int = 3) -> tuple[float, float]:
@@ -257,7 +266,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     warm_up_gpu()
     header = (f"{'model':<5} {'route':<7} {'impl':<21} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'TFLOPS':>7} "
-              f"{'vs torch':>8} {'peak GB':>8} {'reserved':>8}")
+              f"{'vs torch':>8} {'peak GB':>8} {'reserved':>8} {'step GB':>8}")
     lines, results = [header], []
     print(header, flush=True)
     for model in args.models.split(","):
@@ -268,12 +277,12 @@ def main() -> None:
             inputs = [p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"]]
             torch_total = torch_sustained = None
             for name, fn in impls.items():  # torch first: every line is printed as soon as it is timed
-                fwd, bwd, peak, peak_reserved = time_fwd_bwd(fn, inputs, p["dy"])
+                fwd, bwd, peak, peak_reserved, step_peak = time_fwd_bwd(fn, inputs, p["dy"])
                 torch_total = torch_total or fwd + bwd
                 total = fwd + bwd
                 line = (f"{model:<5} {routing:<7} {name:<21} {fwd:>8.2f} {bwd:>8.2f} {total:>8.2f} "
                         f"{flops / total / 1e9:>7.0f} {torch_total / total:>7.2f}x {peak / 2**30:>8.2f} "
-                        f"{peak_reserved / 2**30:>8.2f}")
+                        f"{peak_reserved / 2**30:>8.2f} {step_peak / 2**30:>8.2f}")
                 lines.append(line)
                 results.append((f"{model}\n{routing}", name, total))
                 print(line, flush=True)
