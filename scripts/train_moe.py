@@ -81,7 +81,7 @@ def train(backend: str, label: str, args, data: torch.Tensor) -> dict:
         tokens = batch(data, step, batch_size, args.seq).cuda(non_blocking=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss  # (training: no KV cache)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()

@@ -263,7 +263,7 @@ def _with_backend(model: Qwen3MoeForCausalLM, backend: str, dtype=torch.bfloat16
 def _loss_and_grads(model, tokens):
     """(loss, logits, every parameter's gradient, flattened into one vector) of one step."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=tokens, labels=tokens)
+    out = model(input_ids=tokens, labels=tokens, use_cache=False)  # (as train_moe.py: no KV cache in training)
     out.loss.backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     return out.loss.detach(), out.logits.detach(), torch.cat([g.flatten().double() for g in grads])
