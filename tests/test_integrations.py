@@ -339,16 +339,11 @@ def test_torch_compile():
 
 @requires_sm90
 @pytest.mark.timeout(240)  # one model compiled, forward and backward
-def test_torch_compile_fp8(monkeypatch):
+def test_torch_compile_fp8(weight_quantizations):
     """"megamoe_fp8" compiled (`train_moe.py --compile`): its logits and gradients within 1.5x the
     error of the same backend eager against float64, and its FP8 weight copies still cached per
     optimizer step: two compiled steps without an optimizer step quantize each expert weight once,
     and one after a step quantizes it again."""
-    from deep_gemm.moe import fp8 as moe_fp8
-    quantized = []
-    fp8_quantize_weights = moe_fp8.fp8_quantize_weights
-    monkeypatch.setattr(moe_fp8, "fp8_quantize_weights",
-                        lambda w, **kw: quantized.append(w.shape) or fp8_quantize_weights(w, **kw))
     tokens = torch.randint(0, 256, (2, 128), device="cuda")
     model = _small_model(hf_backend.FP8_NAME)
     _, reference_logits, reference_grads = _loss_and_grads(_with_backend(model, "eager", torch.float64), tokens)
@@ -356,13 +351,13 @@ def test_torch_compile_fp8(monkeypatch):
     compiled = _with_backend(model, hf_backend.FP8_NAME)
     for layer in compiled.model.layers:  # (as train_moe.py --compile)
         layer.compile()
-    quantized.clear()
+    weight_quantizations.clear()
     runs = [_loss_and_grads(compiled, tokens) for _ in range(2)]
     num_weights = 2 * len(compiled.model.layers)  # gate_up_proj and down_proj of each layer
-    assert len(quantized) == num_weights, quantized
+    assert len(weight_quantizations) == num_weights, weight_quantizations
     torch.optim.SGD(compiled.parameters(), lr=1e-3).step()
     _loss_and_grads(compiled, tokens)
-    assert len(quantized) == 2 * num_weights, quantized
+    assert len(weight_quantizations) == 2 * num_weights, weight_quantizations
     for i, name, ref in ((1, "logits", reference_logits), (2, "gradients", reference_grads)):
         ours, base = relative_error(runs[0][i], ref), relative_error(eager[i], ref)
         assert ours <= 1.5 * base + 1e-6, f"{name}: compiled {ours:.2e} vs eager {base:.2e}"

@@ -300,41 +300,26 @@ def test_autograd_layer_in_fp8_is_the_direct_calls():
 
 
 @requires_sm90
-def test_the_fp8_layer_captures_into_a_cuda_graph(monkeypatch):
+def test_the_fp8_layer_captures_into_a_cuda_graph(weight_quantizations):
     """No host sync on the FP8 path: forward and backward capture into one CUDA graph (the
     weights are quantized inside it, once each: `fp8_weights` bypasses its cache under capture and
     the backward reads the forward's copies), and the replay gives the eager step's outputs bit
     for bit."""
-    from deep_gemm.moe import fp8 as moe_fp8
     from deep_gemm.testing import eager_and_graph_replay
-    quantized = []
-
-    def counted(w, **kwargs):
-        quantized.append(torch.cuda.is_current_stream_capturing())
-        return fp8_quantize_weights(w, **kwargs)
-
-    fp8_quantize_weights = moe_fp8.fp8_quantize_weights
-    monkeypatch.setattr(moe_fp8, "fp8_quantize_weights", counted)
     p = make_moe_inputs(256, 256, 256, 8, 4, device="cuda", routing="skewed", empty_slot_frac=0.1, seed=5)
     args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
     eager, captured = eager_and_graph_replay(lambda: _gpu_layer(*args))
     for name, a, b in zip(OUTPUTS, eager, captured):
         assert torch.equal(a, b), name
-    assert quantized.count(True) == 2, quantized  # l1 and l2, in the captured step
+    assert weight_quantizations.count(True) == 2, weight_quantizations  # l1 and l2, in the captured step
 
 
 @requires_sm90
-def test_a_captured_autograd_step_quantizes_each_weight_once(monkeypatch):
+def test_a_captured_autograd_step_quantizes_each_weight_once(weight_quantizations):
     """`megamoe_bwd.mega_moe(..., fp8=True)` and its backward captured into one CUDA graph: the
     backward op gets the forward's weight copies through the forward op's outputs."""
-    from deep_gemm.moe import fp8 as moe_fp8
     from deep_gemm.testing import eager_and_graph_replay
     from megamoe_bwd import mega_moe
-    quantized = []
-    fp8_quantize_weights = moe_fp8.fp8_quantize_weights
-    monkeypatch.setattr(moe_fp8, "fp8_quantize_weights",
-                        lambda w, **kw: quantized.append(torch.cuda.is_current_stream_capturing())
-                        or fp8_quantize_weights(w, **kw))
     p = make_moe_inputs(256, 256, 256, 8, 4, device="cuda", seed=8)
     leaves = [p[n].detach().requires_grad_(n != "topk_idx") for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
 
@@ -350,7 +335,7 @@ def test_a_captured_autograd_step_quantizes_each_weight_once(monkeypatch):
     eager, captured = eager_and_graph_replay(step)
     for name, a, b in zip(OUTPUTS, eager, captured):
         assert torch.equal(a, b), name
-    assert quantized.count(True) == 2, quantized
+    assert weight_quantizations.count(True) == 2, weight_quantizations
 
 
 def test_the_backward_multiplies_by_the_forward_weight_copies(emulated_gemms):
