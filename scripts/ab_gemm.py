@@ -34,7 +34,7 @@ import deep_gemm  # noqa: E402
 from bench_common import import_deep_gemm, require_sm90  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
 from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import SustainedTiming, bench_ms, offsets_from_sizes, sustained_ms, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, timed_in_rotation, warm_up_gpu  # noqa: E402
 
 
 # The FP8 layer's forms of GEMM1's shape (rows gathered, SwiGLU with an e4m3 act, both), timed beside
@@ -165,12 +165,7 @@ def main() -> None:
             calls = {name: make_fp8_call(lib, label, d1, d2, sizes, out_dtype, inputs) for name, lib in libs.items()}
         else:
             calls = {name: make_call(lib, kind, d1, d2, sizes, out_dtype, inputs) for name, lib in libs.items()}
-        runs = {name: [] for name in libs}
-        order = list(libs)
-        for r in range(rounds):
-            for tree in order[r % len(order):] + order[:r % len(order)]:  # (two trees: new, base; then base, new)
-                runs[tree].append(sustained_ms(calls[tree], args.sustained) if args.sustained else
-                                  SustainedTiming(bench_ms(calls[tree], warmup=2, iters=10), None, None))
+        runs = dict(zip(libs, timed_in_rotation([calls[name] for name in libs], rounds, args.sustained)))
         ms = {name: statistics.median(t.ms for t in runs[name]) for name in libs}
         mhz = {name: _median_or_nan(t.sm_mhz for t in runs[name]) for name in libs}
         watts = {name: _median_or_nan(t.watts for t in runs[name]) for name in libs}

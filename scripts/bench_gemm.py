@@ -14,7 +14,7 @@ Both sides write bf16. "wgrad1 fp32" and "wgrad2 fp32" time our fp32 weight-grad
 against torch's bf16 GEMM plus the copy into an fp32 tensor (torch's grouped GEMM has no fp32
 output); the "wgrad1" and "wgrad2" rows of the same run have torch's bf16 GEMM alone.
 Times are medians of CUDA-event timings with the L2 flushed before each run, ours and
-torch's interleaved in rounds so clock drift hits both alike.
+torch's interleaved in rounds, each round starting one side later, so clock drift hits both alike.
 
 `--precision fp8` times the blockwise-FP8 GEMMs of the same six (weight gradients with bf16
 output, as the layer writes them for bf16 parameters, and with fp32 output) on operands quantized
@@ -61,8 +61,8 @@ import deep_gemm  # noqa: E402
 from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import (bench_ms, offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
-                               sustained_ms, upper_median, warm_up_gpu)
+from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
+                               timed_in_rotation, upper_median, warm_up_gpu)
 from deep_gemm.testing.fp8_baseline import quantize_rowwise, torch_fp8_rowwise_wgrad  # noqa: E402
 
 
@@ -291,17 +291,10 @@ def run_fp8_case(label: str, d1: int, d2: int, sizes: list[int], out_dtype: torc
 
 
 def interleaved_ms(*fns, rounds: int = 3, sustained: Optional[float] = None) -> list[float]:
-    """Each of `fns`' median over `rounds` rounds, each round timing them one after another, so that
-    slow drifts of the GPU's clock hit all alike (NaN for a None). Bursts (`bench_ms`), or with
-    `sustained`, that many seconds of back-to-back calls a round (`sustained_ms`)."""
-    time_ms = ((lambda f: sustained_ms(f, sustained).ms) if sustained
-               else (lambda f: bench_ms(f, warmup=2, iters=10)))
-    times = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, fn_times in zip(fns, times):
-            if fn is not None:
-                fn_times.append(time_ms(fn))
-    return [upper_median(fn_times) for fn_times in times]
+    """Each of `fns`' median over `rounds` rounds, the sides timed in rotation (`timed_in_rotation`:
+    each round starts one side later), so that slow drifts of the GPU's clock hit all alike (NaN
+    for a None). Bursts, or with `sustained`, that many seconds of back-to-back calls a round."""
+    return [upper_median(t.ms for t in timings) for timings in timed_in_rotation(fns, rounds, sustained)]
 
 
 def launch_overhead_us() -> tuple[float, float]:

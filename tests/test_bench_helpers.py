@@ -1,10 +1,11 @@
 """The timing helpers the benchmarks share (deep_gemm.testing.bench)."""
+import math
+
 import pytest
 import torch
 
-import math
-
-from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms, upper_median
+import deep_gemm.testing.bench as bench
+from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms, timed_in_rotation, upper_median
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,3 +39,40 @@ def test_upper_median_is_a_measured_value():
     assert upper_median([3.0, 1.0, 2.0]) == 2.0
     assert upper_median(iter([4.0, 1.0, 3.0, 2.0])) == 3.0  # the upper middle, not 2.5
     assert math.isnan(upper_median([]))
+
+
+def _record_order(monkeypatch) -> list:
+    """Stand-ins for the two timers: each call records its side and returns its place in the run."""
+    order: list = []
+
+    def timer(fn, *args, **kwargs):
+        order.append(fn())
+        return len(order)
+
+    monkeypatch.setattr(bench, "bench_ms", timer)
+    monkeypatch.setattr(bench, "sustained_ms", lambda fn, seconds: SustainedTiming(timer(fn), 1500.0, 700.0))
+    return order
+
+
+def test_sides_timed_in_rotation_take_each_place_equally_often(monkeypatch):
+    order = _record_order(monkeypatch)
+    timings = timed_in_rotation([lambda: "a", lambda: "b", lambda: "c"], rounds=6)
+    assert order == list("abc" "bca" "cab") * 2  # each round starts one side later
+    places = {side: [order[r * 3:r * 3 + 3].index(side) for r in range(6)] for side in "abc"}
+    assert all(sorted(p) == [0, 0, 1, 1, 2, 2] for p in places.values())
+    # each side's timings in round order: a burst has no clock or power
+    assert [t.ms for t in timings[0]] == [i + 1 for i, side in enumerate(order) if side == "a"]
+    assert all(t.sm_mhz is None and t.watts is None for side in timings for t in side)
+
+
+def test_rotation_skips_a_missing_side_and_times_sustained_when_asked(monkeypatch):
+    order = _record_order(monkeypatch)
+    timings = timed_in_rotation([lambda: "a", None], rounds=2, sustained=0.5)
+    assert order == ["a", "a"]
+    assert len(timings[0]) == 2 and timings[1] == []
+    assert timings[0][0].sm_mhz == 1500.0
+
+
+def test_rotation_refuses_zero_rounds():
+    with pytest.raises(ValueError, match="rounds"):
+        timed_in_rotation([lambda: None], rounds=0)
