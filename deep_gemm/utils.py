@@ -51,8 +51,9 @@ def get_num_sms(device: Optional[int] = None) -> int:
 
 
 def env_flag(name: str) -> bool:
-    """Whether the environment variable `name` is set to something other than "" or "0"."""
-    return os.environ.get(name, "0") not in ("", "0")
+    """Whether the environment variable `name` is on: set to anything but "", "0", "false", "off"
+    or "no" (any case). Every DG_* switch reads its value through this."""
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "off", "no")
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,6 +89,41 @@ def check_cuda_devices(**tensors: torch.Tensor) -> torch.device:
         elif t.device != device:
             raise ValueError(f"{name} is on {t.device}, the other tensors on {device}")
     return device
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)``: the bytes of memory the elements of `t` reach (strided views: the
+    whole span up to the last element)."""
+    begin = t.data_ptr()
+    if t.numel() == 0:
+        return begin, begin
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return begin, begin + (last + 1) * t.element_size()
+
+
+def check_disjoint(outputs: dict[str, Optional[torch.Tensor]], inputs: dict[str, Optional[torch.Tensor]]) -> None:
+    """Raises ValueError if an output's memory overlaps an input's or another output's (byte spans,
+    on the same device; None and empty tensors skipped): a kernel writing what it reads gives a
+    race, not an error."""
+    named = [(name, t, True) for name, t in outputs.items() if t is not None and t.numel()]
+    named += [(name, t, False) for name, t in inputs.items() if t is not None and t.numel()]
+    for i, (name, t, _) in enumerate(named):
+        if not named[i][2]:
+            break  # (outputs first: each pair holding an output is seen once)
+        begin, end = byte_span(t)
+        for other, u, _ in named[i + 1:]:
+            u_begin, u_end = byte_span(u)
+            if u.device == t.device and begin < u_end and u_begin < end:
+                raise ValueError(f"{name} overlaps {other} in memory: outputs must not share memory with "
+                                 f"inputs or with each other")
+
+
+def check_bool(**flags: object) -> None:
+    """Raises TypeError unless every keyword's value is a bool (a truthy string or number would
+    silently pick a path)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
 
 def check_multiple(name: str, value: int, multiple: int) -> None:

@@ -48,6 +48,8 @@ moe_swiglu_bwd_bf16, moe_swiglu_bwd_fp8 = moe_kernels.moe_swiglu_bwd_bf16, moe_k
 RoutingLayout = moe_layout.RoutingLayout
 
 stream_write_u32 = _module("jit.runtime").stream_write_u32
-check_tensor, get_num_sms = _module("utils").check_tensor, _module("utils").get_num_sms
+utils = _module("utils")
+check_bool, check_disjoint, check_tensor = utils.check_bool, utils.check_disjoint, utils.check_tensor
+get_num_sms = utils.get_num_sms
 testing = _module("testing")
 relative_error = testing.relative_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import (Fp8WeightCopies, MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe,
+from ._kernels import (Fp8WeightCopies, check_bool, MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe,
                        get_fp8_weight_copies)
 
 from .backward import mega_moe_backward
@@ -106,7 +106,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     expert GEMMs of the forward and the backward in blockwise FP8 (`deep_gemm.fp8_mega_moe`;
     H and I multiples of 128); parameters, inputs and gradients keep their dtypes.
     """
-    if not isinstance(fp8, bool):
-        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    check_bool(fp8=fp8)
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":  # (fake and meta tensors go on to the op's fake)
+        raise ValueError("mega_moe runs on CUDA tensors, got x on the CPU")
     keep_copies = fp8 and get_fp8_weight_copies() is not Fp8WeightCopies.PER_GEMM
     return torch.ops.megamoe.forward(x, topk_idx, topk_weights, l1, l2, fp8, keep_copies)[0]

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_tensor, dense_rows,
+from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_bool, check_disjoint, check_tensor, dense_rows,
                        fp8_dgrad_weights, fp8_quantize_columns, fp8_quantize_rows, k_grouped_bf16,
                        k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
                        m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8,
@@ -105,8 +105,8 @@ def check_backward_args(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, ha
             check_tensor(name, grad, dtypes, 3)
             if tuple(grad.shape) != tuple(shape) or grad.device != x.device:
                 raise ValueError(f"{name} must be {list(shape)} on {x.device}, got {list(grad.shape)} on {grad.device}")
-    if not isinstance(keep_handle, bool):
-        raise TypeError(f"keep_handle must be a bool, got {type(keep_handle).__name__}")
+    check_disjoint(dict(dl1=dl1, dl2=dl2), dict(dy=dy, l1=l1, l2=l2, x=x, h=handle.h))
+    check_bool(keep_handle=keep_handle)
 
 
 def weight_grads(l1: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype, dl1: Optional[torch.Tensor] = None,

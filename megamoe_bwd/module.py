@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import ep
+from ._kernels import check_bool
 from .autograd import mega_moe
 
 BACKENDS = ("nvlink", "deep_ep", "nccl")
@@ -42,8 +43,7 @@ class MegaMoE(torch.nn.Module):
         for name, value in (("num_experts", num_experts), ("hidden", hidden), ("intermediate", intermediate)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(fp8, bool):
-            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+        check_bool(fp8=fp8)
         if fp8 and (hidden % 128 or intermediate % 128):
             raise ValueError(f"fp8=True needs hidden and intermediate multiples of 128, got {hidden} and {intermediate}")
         backend = backend or ("nvlink" if buffer is not None else "nccl")

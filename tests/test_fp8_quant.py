@@ -220,6 +220,18 @@ def test_weights_in_one_orientation_are_that_half_of_both():
     (lambda: fp8_quantize_weights(torch.zeros(1, 128, 128, dtype=torch.bfloat16), which="rows"), "which must be"),
     (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32),
                                   row_index=torch.zeros(4, dtype=torch.int32)), "int64"),
+    # flags are bools: a truthy string would pick power-of-two scales (other bits) without a word
+    (lambda: fp8_quantize_rows(torch.zeros(4, 128, dtype=torch.bfloat16), power_of_two_scales="no"),
+     "power_of_two_scales must be a bool"),
+    (lambda: fp8_quantize_weights(torch.zeros(1, 128, 128, dtype=torch.bfloat16), power_of_two_scales=1),
+     "power_of_two_scales must be a bool"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32),
+                                  with_rows="yes"), "with_rows must be a bool"),
+    # on the CPU too, every tensor on x's device
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16),
+                                  torch.tensor([0, 4], dtype=torch.int32, device="meta")), "group_offsets is on meta"),
+    (lambda: fp8_quantize_columns(torch.zeros(4, 128, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32),
+                                  row_index=torch.zeros(4, dtype=torch.int64, device="meta")), "row_index is on meta"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(call, error):
     with pytest.raises((TypeError, ValueError), match=error):

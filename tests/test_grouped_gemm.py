@@ -346,6 +346,25 @@ def test_m_grouped_rejects_bad_input(args, error, match):
         deep_gemm.m_grouped_bf16_gemm_nt_contiguous(*args)
 
 
+_A8 = _bf16(8, 64)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((_A8, _bf16(1, 64, 64), _A8, _offs(8)), "d overlaps a in memory"),  # in place over its own input
+    ((_A8, _bf16(1, 64, 64), _bf16(16, 64)[8:], _offs(8)), "CUDA"),  # d beside a: the devices' check is next
+])
+def test_m_grouped_refuses_an_output_over_an_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(*args)
+
+
+def test_swiglu_outputs_must_not_overlap():
+    h = _bf16(8, 256)
+    act = h.view(-1)[:8 * 128].view(8, 128)  # act over h's first rows
+    with pytest.raises(ValueError, match="h overlaps act in memory"):
+        deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(_A8, _bf16(1, 256, 64), h, act, _offs(8))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_passes=0), "num_passes must be in"),
     (dict(num_passes=33), "num_passes must be in"),
@@ -391,6 +410,13 @@ def test_nn_needs_k_multiple_of_64():
 def test_k_grouped_rejects_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         deep_gemm.k_grouped_bf16_gemm_tn_contiguous(*args)
+
+
+def test_k_grouped_refuses_d_over_an_operand():
+    b = torch.zeros(1, 64, 32)  # fp32 d's memory, read as b's rows too
+    with pytest.raises(ValueError, match="d overlaps b in memory"):
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), b.view(-1).view(torch.bfloat16)[:256].view(8, 32), b,
+                                                    _offs(8))
 
 
 @requires_sm90

@@ -104,7 +104,21 @@ BAD_BACKWARD_ARGS = [
     ("dl1 elsewhere", lambda a: a.update(dl1=torch.empty_like(a["dl1"], device="meta")), ValueError),
     ("weight_grad_dtype", lambda a: a.update(weight_grad_dtype=torch.float16), TypeError),
     ("keep_handle", lambda a: a.update(keep_handle="yes"), TypeError),
+    ("dl1 over l1", lambda a: _share_memory(a, "dl1", "l1"), ValueError),
+    ("dl2 over dy", lambda a: _share_memory(a, "dl2", "dy"), ValueError),
 ]
+
+
+def _share_memory(args: dict, output: str, source: str) -> None:
+    """args[output] becomes a new tensor whose first bytes hold args[source], and args[source] a
+    view of them (the same values): an output over an input."""
+    out, src = args[output], args[source]
+    buffer = torch.zeros_like(out)
+    nbytes = src.numel() * src.element_size()
+    assert nbytes <= buffer.numel() * buffer.element_size()
+    view = buffer.view(-1).view(torch.uint8)[:nbytes].view(src.dtype).view(src.shape)
+    view.copy_(src)
+    args.update({output: buffer, source: view})
 
 
 def _backward_problem(device: str) -> dict:
@@ -215,6 +229,8 @@ def _bf16_problem(T=8, H=64, I=64, E=4, K=2):
     (lambda a: a.append(torch.empty(8, 64)), TypeError, "y must have dtype"),
     (lambda a: a.append(torch.empty(7, 64, dtype=torch.bfloat16)), ValueError, "y must be"),
     (lambda a: a.append(_misaligned(torch.empty(8, 64, dtype=torch.bfloat16))), ValueError, "y must be 16-byte"),
+    (lambda a: a.append(a[0]), ValueError, "y overlaps x in memory"),  # the handle would keep x: no y over it
+    (lambda a: a.__setitem__(0, a[0].tolist()), TypeError, "x must be"),
     (lambda a: None, ValueError, "CUDA"),
 ])
 def test_forward_rejects_bad_input(mutate, error, match):

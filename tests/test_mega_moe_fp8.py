@@ -270,8 +270,24 @@ def test_dims_must_be_multiples_of_128(inter, hidden):
 
 def test_cpu_tensors_are_refused():
     p = make_moe_inputs(4, 128, 128, 4, 2, seed=0)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
-        deep_gemm.fp8_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"])
+        deep_gemm.fp8_mega_moe(*args)
+    from megamoe_bwd import mega_moe
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):  # (not the dispatcher's "no CPU kernel")
+        mega_moe(*args, fp8=True)
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(x=lambda p: p["x"].tolist()), TypeError, "x must be"),  # (not an AttributeError from a size check)
+    (dict(y=lambda p: p["x"]), ValueError, "y overlaps x in memory"),
+])
+def test_the_fp8_forward_refuses_bad_input_clearly(bad, error, match):
+    p = make_moe_inputs(4, 128, 128, 4, 2, seed=0)
+    args = {n: p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2")}
+    args.update({name: make(p) for name, make in bad.items()})
+    with pytest.raises(error, match=match):
+        deep_gemm.fp8_mega_moe(**args)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -16,8 +16,8 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc
-from ..utils import (check_cuda_devices, check_group_offsets, check_multiple, check_tensor, get_num_sms,
-                     print_configs_enabled)
+from ..utils import (check_bool, check_cuda_devices, check_disjoint, check_group_offsets, check_multiple, check_tensor,
+                     get_num_sms, print_configs_enabled)
 from .common import (BLOCK_K, BLOCK_M, NUM_THREADS, GemmConfig, grid_size, k_grouped_epilogue, make_config,
                      row_staging_bytes, swizzled_staging_bytes)
 
@@ -119,10 +119,10 @@ def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     check_multiple("N", n, 8)
     if max(rows, m, n) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    check_bool(accumulate=accumulate)
     if config is not None and config not in all_configs(d.dtype):
         raise ValueError(f"unknown config {config} for {d.dtype} output; pick one of all_configs()")
+    check_disjoint(dict(d=d), dict(a=a, b=b, group_offsets=group_offsets))
     device = check_cuda_devices(a=a, b=b, d=d, group_offsets=group_offsets)
     if m == 0 or n == 0 or num_groups == 0:
         return

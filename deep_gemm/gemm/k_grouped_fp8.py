@@ -14,7 +14,8 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc, make_tma_scales_desc
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
+from ..utils import (check_bool, check_cuda_devices, check_disjoint, check_group_offsets, check_multiple, check_tensor,
+                     print_configs_enabled)
 from .common import (BLOCK_M, NUM_THREADS, GemmConfig, fp8_operand, grid_size, k_grouped_epilogue, make_config,
                      row_staging_bytes, swizzled_staging_bytes)
 
@@ -106,8 +107,9 @@ def k_grouped_fp8_gemm_tn_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         raise ValueError(f"d must have shape {(num_groups, m, n)}, got {tuple(d.shape)}")
     if max(rows, m, n) >= 2**31:
         raise ValueError("dimensions must stay below 2**31")
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    check_bool(accumulate=accumulate)
+    check_disjoint(dict(d=d), dict(a=a_data, a_scales=a_scales, b=b_data, b_scales=b_scales,
+                                   padded_offsets=padded_offsets))
     device = check_cuda_devices(a=a_data, a_scales=a_scales, b=b_data, b_scales=b_scales, d=d,
                                 padded_offsets=padded_offsets)
     if m == 0 or n == 0 or num_groups == 0:

@@ -15,7 +15,8 @@ import torch
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
 from ..jit.tma import make_tma_2d_desc, make_tma_3d_desc
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor, print_configs_enabled
+from ..utils import (check_cuda_devices, check_disjoint, check_group_offsets, check_multiple, check_tensor,
+                     print_configs_enabled)
 from .common import (BLOCK_K, BLOCK_M, NUM_THREADS, GemmConfig, grid_size, make_config, staged_bf16_bytes,
                      swizzled_staging_bytes)
 
@@ -99,6 +100,7 @@ class MGroupedProblem:
         `act`: the SwiGLU epilogue's second output."""
         problem = MGroupedProblem.check_shapes(a, b, d, group_offsets, b_mn_major, a_row_index, num_passes,
                                                ready_flags, pass_range, act)
+        problem.check_disjoint(act=act)
         problem.check_devices(act=act)
         return problem
 
@@ -162,6 +164,13 @@ class MGroupedProblem:
         tensors = dict(a=self.a, b=self.b, d=self.d, group_offsets=self.group_offsets, a_row_index=self.a_row_index,
                        ready_flags=self.ready_flags, **more)
         self.device = check_cuda_devices(**{name: t for name, t in tensors.items() if t is not None})
+
+    def check_disjoint(self, inputs: Optional[dict] = None, **outputs: Optional[torch.Tensor]) -> None:
+        """Raises ValueError if d (SwiGLU's h) or `outputs` share memory with an input (a, b, the
+        offsets, the row index, the ready flags, `inputs`) or with each other."""
+        check_disjoint({"d" if outputs.get("act") is None else "h": self.d, **outputs},
+                       dict(a=self.a, b=self.b, group_offsets=self.group_offsets, a_row_index=self.a_row_index,
+                            ready_flags=self.ready_flags, **(inputs or {})))
 
     @property
     def empty(self) -> bool:

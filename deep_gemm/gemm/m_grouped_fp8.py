@@ -201,6 +201,7 @@ def _launch(a, b, d, group_offsets, a_row_index, num_passes, ready_flags, pass_r
     _check_scales(a_scales, b_scales, a_data.shape[0], problem.k, problem.num_groups, problem.n)
     if fp8_act:
         _check_row_scales("act's scales", act_scales, problem.m, problem.n // 2)
+    problem.check_disjoint(dict(a_scales=a_scales, b_scales=b_scales), act=act_data, act_scales=act_scales)
     problem.check_devices(a_scales=a_scales, b_scales=b_scales, act=act_data, act_scales=act_scales)
     if problem.empty:
         return

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..utils import env_flag
+
 INCLUDE_DIR = Path(__file__).resolve().parent.parent / "include"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "--expt-relaxed-constexpr", "-Xptxas=-v", *ARCH_FLAGS)
@@ -31,10 +33,6 @@ NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "--expt-relaxed-constexpr", "-Xptxa
 
 class CompileError(RuntimeError):
     """nvcc failed, or the kernel broke the DG_JIT_PTXAS_CHECK rule."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
 def cache_dir() -> Path:
@@ -103,12 +101,12 @@ def compile_cubin(name: str, source: str) -> Path:
     kernel_dir = cache_dir() / "cache" / key
     cubin = kernel_dir / "kernel.cubin"
     if cubin.exists():
-        if _env_flag("DG_JIT_DEBUG"):
+        if env_flag("DG_JIT_DEBUG"):
             print(f"[deep_gemm.jit] cache hit {cubin}")
     else:
         _announce_first_compile()
         _compile_to(name, source, key, kernel_dir)
-    if _env_flag("DG_JIT_PTXAS_CHECK"):
+    if env_flag("DG_JIT_PTXAS_CHECK"):
         _check_ptxas_report(name, (kernel_dir / "ptxas.log").read_text())
     return cubin
 
@@ -122,13 +120,13 @@ def _compile_to(name: str, source: str, key: str, kernel_dir: Path) -> None:
         src = tmp_dir / "kernel.cu"
         src.write_text(source)
         cmd = [nvcc_path(), *NVCC_FLAGS, f"-I{INCLUDE_DIR}", str(src), "-o", str(tmp_dir / "kernel.cubin")]
-        if _env_flag("DG_JIT_DEBUG"):
+        if env_flag("DG_JIT_DEBUG"):
             print(f"[deep_gemm.jit] {' '.join(cmd)}")
         result = subprocess.run(cmd, capture_output=True, text=True)
         report = result.stdout + result.stderr
         if result.returncode != 0:
             raise CompileError(f"nvcc failed for {name}:\n{report}")
-        if _env_flag("DG_JIT_PTXAS_VERBOSE"):
+        if env_flag("DG_JIT_PTXAS_VERBOSE"):
             print(f"[deep_gemm.jit] {name}:\n{report}")
         (tmp_dir / "ptxas.log").write_text(report)
         # Atomic publish: a directory rename either lands whole or loses to a concurrent twin.

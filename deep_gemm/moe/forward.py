@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..gemm import m_grouped_bf16_gemm_nt_contiguous, m_grouped_bf16_gemm_nt_swiglu_contiguous
-from ..utils import check_tensor
+from ..utils import check_bool, check_disjoint, check_tensor
 from .kernels import build_routing_layout, moe_combine_bf16, moe_swiglu_fwd_bf16
 from .layout import RoutingLayout
 
@@ -162,13 +162,13 @@ def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     """The forwards' common start: every argument checked (H and I multiples of
     `dim_multiple`), then ``(x with dense rows, y, the routing layout)``."""
     num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2, dim_multiple)
-    for flag_name, flag in (("training", training), ("check_ids", check_ids)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    check_bool(training=training, check_ids=check_ids)
     if y is not None:
         check_tensor("y", y, torch.bfloat16, 2)
         if tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
             raise ValueError(f"y must be [{num_tokens}, {hidden}] on {x.device}, got {list(y.shape)} on {y.device}")
+        # (the handle keeps x itself when its rows are dense: a y over it would corrupt the backward)
+        check_disjoint(dict(y=y), dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1=l1, l2=l2))
     if not x.is_cuda:
         raise ValueError(f"{name} runs on CUDA tensors")
     if y is None:

@@ -74,7 +74,8 @@ def get_fp8_weight_copies() -> Fp8WeightCopies:
 def invalidate_fp8_weights() -> None:
     """Drops every cached FP8 weight copy (its memory is freed unless a pending backward holds
     it): call it after changing expert weights in a way that neither an optimizer step nor the
-    version counter reveals (writes through ``p.data``, another framework's fused update)."""
+    version counter reveals (writes through ``p.data``, another framework's fused update, any
+    in-place change of an inference tensor)."""
     _weight_cache.clear()
 
 
@@ -88,7 +89,10 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     registered at the first call, drops every copy before the step runs, so that their memory
     is the step's: fused optimizers update parameters without bumping their version counters),
     after any other in-place change of the weight that bumps its version counter (``copy_``
-    under ``no_grad``), when its storage moves, and after `invalidate_fp8_weights`. While a CUDA
+    under ``no_grad``), when its storage moves, and after `invalidate_fp8_weights`. An inference
+    tensor (made under ``torch.inference_mode``) has no version counter: its copy is made again
+    only when its storage moves or after `invalidate_fp8_weights`, which a caller changing it in
+    place must call. While a CUDA
     graph is being captured it is always made (inside the graph, so every replay quantizes the
     weight as it then is). The copy holds 2 bytes per parameter, from the first forward after
     a step to the next step. With PER_GEMM the copy holds the forward's orientation only (its
@@ -148,7 +152,7 @@ def check_fp8_sizes(x: torch.Tensor, topk_idx: torch.Tensor, l1: torch.Tensor) -
     """What the FP8 backward's quantization passes take, checked in the forward (so that a
     backward never stops halfway): at most MAX_GROUPS experts (the column quantization's
     group scan), and fewer than 2^31 elements in its largest operand, [T * K, max(H, 2I)]."""
-    if x.dim() != 2 or topk_idx.dim() != 2 or l1.dim() != 3:
+    if not all(isinstance(t, torch.Tensor) for t in (x, topk_idx, l1)) or (x.dim(), topk_idx.dim(), l1.dim()) != (2, 2, 3):
         return  # (check_moe_inputs says what is wrong)
     num_experts, two_inter, hidden = l1.shape
     if num_experts > MAX_GROUPS:
@@ -166,8 +170,8 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     recipe's accuracy (docs/DESIGN.md, "Blockwise FP8"). H and I must be multiples of 128.
 
     x and the SwiGLU activation are quantized per 1 x 128, the weights per 128 x 128
-    (`fp8_weights`: cached until a weight changes, or made per call, as `set_fp8_weight_copies`
-    says). With `training`, the handle (recipe "fp8")
+    (`fp8_weights`), as `set_fp8_weight_copies` says: cached until a weight changes (PER_STEP, the
+    default), made by every call (PER_CALL), or each orientation just before its GEMM (PER_GEMM). With `training`, the handle (recipe "fp8")
     makes `mega_moe_backward` run the backward in FP8 as well.
     """
     check_fp8_sizes(x, topk_idx, l1)

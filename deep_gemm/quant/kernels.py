@@ -9,7 +9,7 @@ import torch
 
 from ..jit.params import ParamsStruct
 from ..jit.runtime import Kernel, build_kernel
-from ..utils import check_cuda_devices, check_group_offsets, check_multiple, check_tensor
+from ..utils import check_bool, check_cuda_devices, check_disjoint, check_group_offsets, check_multiple, check_tensor
 from .reference import (BLOCK, Fp8Columns, Fp8Rows, Fp8Weights, dequantize_rows, fp8_quantize_columns_torch,
                         fp8_quantize_rows_torch, fp8_quantize_weights_torch, padded_group_width)
 
@@ -137,12 +137,7 @@ def check_storage(storage: torch.Tensor, nbytes: int, device: torch.device, inpu
     size = storage.numel() * storage.element_size()
     if size < nbytes:
         raise ValueError(f"out_storage holds {size} bytes, the columns need {nbytes}")
-    begin = storage.data_ptr()
-    for name, t in inputs.items():  # (the span up to the last element: strided scales included)
-        t_begin = t.data_ptr()
-        t_end = t_begin + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-        if t.numel() and begin < t_end and t_begin < begin + size:
-            raise ValueError(f"out_storage overlaps {name}")
+    check_disjoint({"out_storage": storage.view(-1).view(torch.uint8)[:nbytes]}, inputs)
 
 
 def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> Fp8Rows:
@@ -151,6 +146,7 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     largest magnitude onto 448 (1 for all zeros; `power_of_two_scales` rounds it up to a power
     of two)."""
     _check_rows(x)
+    check_bool(power_of_two_scales=power_of_two_scales)
     if not x.is_cuda:
         return fp8_quantize_rows_torch(x, power_of_two_scales=power_of_two_scales)
     check_cuda_devices(x=x)
@@ -190,6 +186,7 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
     else:
         _check_rows(x)
     data = x.data if from_fp8 else x
+    check_bool(with_rows=with_rows, power_of_two_scales=power_of_two_scales)
     num_groups = check_group_offsets(group_offsets)
     if not 1 <= num_groups <= MAX_GROUPS:
         raise ValueError(f"the column quantization takes 1 to {MAX_GROUPS} groups, got {num_groups}")
@@ -207,6 +204,9 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
     if out_storage is not None:
         check_storage(out_storage, fp8_columns_nbytes(k, m, num_groups), data.device, tensors)
     if not data.is_cuda:
+        for name, t in tensors.items():  # (the GPU path's check_cuda_devices, for the CPU)
+            if t.device != data.device:
+                raise ValueError(f"{name} is on {t.device}, x on {data.device}")
         source = dequantize_rows(x).to(torch.bfloat16) if from_fp8 else x
         rows, columns = fp8_quantize_columns_torch(source, group_offsets, row_index=row_index, with_rows=with_rows,
                                                    power_of_two_scales=power_of_two_scales)
@@ -254,6 +254,7 @@ def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False, 
     B of the data gradient. `which`: "both" (the default) writes both orientations from one read
     of w; "data" or "data_t" only that one (the other is None), the same bits."""
     check_tensor("w", w, torch.bfloat16, 3)
+    check_bool(power_of_two_scales=power_of_two_scales)
     if which not in _WEIGHT_KERNELS:
         raise ValueError(f"which must be one of {tuple(_WEIGHT_KERNELS)}, got {which!r}")
     num_groups, n, k = w.shape

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, RoutingLayout, bf16_mega_moe, build_routing_layout,
-                        check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights, kept_dgrad_weights,
+                        check_bool, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights, kept_dgrad_weights,
                         m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, quant_kernels)
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
@@ -157,8 +157,7 @@ def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     `megamoe_bwd.ep.ep_mega_moe_nvlink`: global expert ids, this rank's experts in l1, l2;
     differentiable. `fp8`: the expert GEMMs in blockwise FP8 and x and dy dispatched quantized
     (H and I multiples of 128; parameters, inputs and outputs stay bf16)."""
-    if not isinstance(fp8, bool):
-        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    check_bool(fp8=fp8)
     num_local = check_moe_inputs(x, topk_idx, topk_weights, l1, l2, FP8_DIM_MULTIPLE if fp8 else DIM_MULTIPLE)[3]
     if fp8 and num_local > quant_kernels.MAX_GROUPS:  # (the column quantization's group scan)
         raise ValueError(f"fp8: at most {quant_kernels.MAX_GROUPS} experts a rank, got {num_local}")

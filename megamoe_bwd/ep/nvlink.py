@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
-                        check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights,
+                        check_bool, check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights,
                         gate_up_swiglu, kept_dgrad_weights, m_grouped_bf16_gemm_nn_contiguous,
                         m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous, moe_gather_rows_bf16,
                         quant_kernels)
@@ -190,8 +190,7 @@ def ep_mega_moe_nvlink(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     Collective: every rank of the group calls it for the same layer, in the same order.
     Expert ids outside ``[-1, E)`` fail an asynchronous device assert (a ValueError on the CPU).
     """
-    if not isinstance(fp8, bool):
-        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    check_bool(fp8=fp8)
     num_tokens, hidden, inter, num_local, num_topk = check_moe_inputs(x, topk_idx, topk_weights, l1, l2,
                                                                       FP8_DIM_MULTIPLE if fp8 else DIM_MULTIPLE)
     if not isinstance(buffer, SymmBuffer):
