@@ -25,6 +25,8 @@ ScalarType? out_dtype=None) -> Tensor``; there is no docstring, the checks live 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -79,7 +81,7 @@ def grouped_mm_moe(
     topk_weights: torch.Tensor,
     l1: torch.Tensor,
     l2: torch.Tensor,
-    grouped_mm=_bf16_grouped_mm,
+    grouped_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = _bf16_grouped_mm,
 ) -> torch.Tensor:
     """MoE forward with two ``torch._grouped_mm`` calls (or `grouped_mm(a, w, offs)`, ``a @ w[g].T``
     per group); differentiable via autograd.

@@ -36,7 +36,7 @@ class MegaMoE(torch.nn.Module):
     `ep_mega_moe_deep_ep(..., fp8=True)`).
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None,
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device: torch.device | str | None = None,
                  group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None,
                  fp8: bool = False):
         super().__init__()

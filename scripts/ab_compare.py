@@ -8,9 +8,9 @@ the two measurements, at the price of torch's own noise).
 """
 from __future__ import annotations
 
+import argparse
 import re
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,7 +46,9 @@ def moe_rows(text: str) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path, help="the folder of device_ab.sh's logs")
+    out = parser.parse_args().out_dir
     values: dict = defaultdict(lambda: defaultdict(list))  # figure -> tree -> [(ours, torch) per round]
     for log in sorted(out.glob("*_*_*.log")):
         tree, _, kind = log.stem.split("_")

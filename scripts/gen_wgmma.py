@@ -4,6 +4,7 @@ Each WGMMA shape needs its own inline-asm operand list (one "+f" per accumulator
 C++ templates cannot build, so the headers are generated. Run after editing the shapes:
     python scripts/gen_wgmma.py
 """
+import argparse
 from pathlib import Path
 
 MMA_DIR = Path(__file__).resolve().parent.parent / "deep_gemm/include/deep_gemm/mma"
@@ -89,6 +90,7 @@ struct {name};
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     (MMA_DIR / "wgmma_bf16.cuh").write_text(HEADER.format(
         what="wgmma.mma_async m64nNk16, bf16 inputs from shared memory, fp32 accumulators in registers.",
         name="WGMMA", body="".join(gen_bf16(n) for n in BF16_SHAPES_N)))

@@ -7,6 +7,7 @@ its model's default config shrunk to a few tiny experts, checked by the backend'
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import os
@@ -57,6 +58,7 @@ def verdict(model: str, experts_class) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     warnings.filterwarnings("ignore")
     print(f"transformers {transformers.__version__}")
     for model, experts_class in experts_classes():

@@ -6,6 +6,7 @@ combine that adds them, the FP8 quantization and GEMMs, the FP8 layer) for compu
 
 Needs a Hopper GPU.
 """
+import argparse
 import os
 import sys
 
@@ -24,6 +25,7 @@ from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from deep_gemm.utils import num_sms_capped  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 require_sm90("sanitize_case.py")
 sizes = [0, 1, 130, 64, 70]
 offsets = offsets_from_sizes(sizes)

@@ -4,6 +4,7 @@
 With DG_JIT_DEBUG_TRACE=1, prints CTA 0's checkpoints 3 s after the launch (a hang shows
 where it stopped: slot 0 producer, 1-2 math warpgroups, 4 start, 5-7 register setup, 10-11
 epilogue; values 1000+k waiting, 2000+k landed/issued, 3000+k MMA done)."""
+import argparse
 import faulthandler
 import os
 import sys
@@ -25,10 +26,17 @@ from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
 
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("kind", choices=("nt", "nn", "tn"))
+parser.add_argument("sizes", help="group sizes, comma-separated (e.g. 128,0,37)")
+parser.add_argument("d1", type=int, help="N (nt, nn) or M (tn)")
+parser.add_argument("d2", type=int, help="K (nt, nn) or N (tn)")
+parser.add_argument("config", type=int, nargs="?", default=None, help="an index into the launcher's all_configs()")
+args = parser.parse_args()
 require_sm90("smoke.py")
 
-kind, sizes, d1, d2 = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
-config_idx = int(sys.argv[5]) if len(sys.argv) > 5 else None
+kind, sizes, d1, d2 = args.kind, [int(s) for s in args.sizes.split(",")], args.d1, args.d2
+config_idx = args.config
 step("imported")
 
 

@@ -232,7 +232,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
             has M rows. Indices outside ``[0, T)`` read zeros.
         config: force a kernel variant (one of `deep_gemm.gemm.m_grouped_bf16.all_configs()`);
             the default picks by N.
-        num_passes: S >= 1. With S > 1, each group's rows come in S runs back to back and
+        num_passes: S, 1 <= S <= 32. With S > 1, each group's rows come in S runs back to back and
             `group_offsets` has ``G * S + 1`` entries: run (g, s) owns rows
             ``[group_offsets[g * S + s], group_offsets[g * S + s + 1])``. The kernel works pass by
             pass (every group's run s before any run s + 1).

@@ -99,12 +99,14 @@ def empty_row_scales(m: int, k: int, device: torch.device | str) -> torch.Tensor
 
 def empty_fp8_rows(m: int, k: int, device: torch.device | str) -> Fp8Rows:
     """Uninitialised `Fp8Rows` of ``[m, k]`` (k a multiple of 128), for a kernel to write rows
-    quantized per 1 x 128 into (scales as `empty_row_scales` lays them out)."""
+    quantized per 1 x 128 into: data ``[m, k]`` e4m3 row-major, scales ``[m, k / 128]`` fp32
+    column-major with the column stride m rounded up to 4 (the layout the GEMMs read)."""
     return Fp8Rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device), empty_row_scales(m, k, device))
 
 
 def fp8_columns_nbytes(k: int, m: int, num_groups: int) -> int:
-    """Bytes of `Fp8Columns.data` for `m` rows of width `k` in `num_groups` groups."""
+    """Bytes of `Fp8Columns.data` for `m` rows of width `k` in `num_groups` groups: the size
+    `fp8_quantize_columns`' `out_storage` must have at least."""
     return k * padded_group_width(m, num_groups)
 
 
@@ -144,7 +146,7 @@ def fp8_quantize_rows(x: torch.Tensor, *, power_of_two_scales: bool = False) -> 
     """x ``[M, K]`` bf16 (K a multiple of 128) quantized per 1 x 128: the A operand of
     `m_grouped_fp8_gemm_nt_contiguous` (see `Fp8Rows`). Each 128 elements' scale maps their
     largest magnitude onto 448 (1 for all zeros; `power_of_two_scales` rounds it up to a power
-    of two)."""
+    of two, which multiplies exactly)."""
     _check_rows(x)
     check_bool(power_of_two_scales=power_of_two_scales)
     if not x.is_cuda:
@@ -177,9 +179,14 @@ def fp8_quantize_columns(x: torch.Tensor | Fp8Rows, group_offsets: torch.Tensor,
     ``reference.dequantize_rows(x).bfloat16()``, then quantized as above (a second rounding: use
     it only where the bf16 rows are gone).
 
+    `power_of_two_scales` rounds each scale up to a power of two (as `fp8_quantize_rows`).
     `out_storage` (a contiguous, 16-byte aligned tensor of any dtype on x's device, at least
     `fp8_columns_nbytes(K, M, G)` bytes, overlapping no input) holds the columns' data instead of
-    a new tensor: its contents are overwritten (a dead buffer's memory, reused)."""
+    a new tensor: its contents are overwritten (a dead buffer's memory, reused).
+
+    Returns ``(rows, columns)``: `Fp8Rows` ``[M, K]`` with `with_rows`, else None; `Fp8Columns`
+    (data ``[K, Mp]`` e4m3, Mp the groups' rows each padded to a multiple of 128, scales
+    ``[Mp / 128, K]`` fp32, the padded offsets ``[G + 1]`` int32)."""
     from_fp8 = isinstance(x, Fp8Rows)
     if from_fp8:
         _check_fp8_rows(x)
@@ -252,7 +259,8 @@ def fp8_quantize_weights(w: torch.Tensor, *, power_of_two_scales: bool = False, 
     """w ``[G, N, K]`` bf16 (N and K multiples of 128) quantized per 128 x 128 block (see
     `Fp8Weights`): ``data`` is B of the forward (`m_grouped_fp8_gemm_nt_contiguous`), ``data_t``
     B of the data gradient. `which`: "both" (the default) writes both orientations from one read
-    of w; "data" or "data_t" only that one (the other is None), the same bits."""
+    of w; "data" or "data_t" only that one (the other is None), the same bits.
+    `power_of_two_scales` rounds each block's scale up to a power of two."""
     check_tensor("w", w, torch.bfloat16, 3)
     check_bool(power_of_two_scales=power_of_two_scales)
     if which not in _WEIGHT_KERNELS:

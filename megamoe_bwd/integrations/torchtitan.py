@@ -27,7 +27,7 @@ class GroupedExperts(MegaMoE):
     blockwise FP8, as `MegaMoE(fp8=True)` (dim and hidden_dim multiples of 128).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, device=None,
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, device: torch.device | str | None = None,
                  group: Optional[dist.ProcessGroup] = None, buffer: Any = None, backend: Optional[str] = None,
                  fp8: bool = False):
         super().__init__(num_experts, dim, hidden_dim, device=device, group=group, buffer=buffer, backend=backend,
@@ -53,6 +53,8 @@ class GroupedExperts(MegaMoE):
         return self.l2
 
     def forward(self, x: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """TorchTitan's argument order: x ``[T, dim]`` bf16, scores ``[T, K]`` float routing
+        weights, expert_ids ``[T, K]`` int64 (``-1``: an empty slot); returns ``[T, dim]`` bf16."""
         return super().forward(x, expert_ids, scores)
 
 
