@@ -84,6 +84,8 @@ def check_backward_args(dy: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor, ha
                         f"{type(handle).__name__}")
     if handle.h is None:
         raise ValueError("this handle was consumed by an earlier mega_moe_backward (pass keep_handle=True to reuse one)")
+    if handle.recipe not in ("bf16", "fp8"):
+        raise ValueError(f"handle.recipe must be 'bf16' or 'fp8', got {handle.recipe!r}")
     x = handle.x
     (num_tokens, hidden), inter = x.shape, handle.h.shape[1] // 2
     num_experts = handle.layout.offsets.numel() - 1

@@ -9,6 +9,7 @@ determinism. `python tests/test_mega_moe.py` prints the GPU table.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -88,6 +89,7 @@ def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
 # (what is wrong, how the arguments of mega_moe_backward become so, the exception)
 BAD_BACKWARD_ARGS = [
     ("no handle", lambda a: a.update(handle=None), TypeError),
+    ("a handle of no recipe", lambda a: a.update(handle=dataclasses.replace(a["handle"], recipe="fp16")), ValueError),
     ("dy's dtype", lambda a: a.update(dy=a["dy"].half()), TypeError),
     ("dy's shape", lambda a: a.update(dy=a["dy"][:-1]), ValueError),
     ("dy elsewhere", lambda a: a.update(dy=torch.empty_like(a["dy"], device="meta")), ValueError),
