@@ -95,8 +95,8 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[first, last + 1)``: the bytes of memory the elements of `t` reach (strided views: the
     whole span up to the last element)."""
     begin = t.data_ptr()
-    if t.numel() == 0:
-        return begin, begin
+    if t.is_contiguous():
+        return begin, begin + t.numel() * t.element_size()
     last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
     return begin, begin + (last + 1) * t.element_size()
 
@@ -104,16 +104,14 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 def check_disjoint(outputs: dict[str, Optional[torch.Tensor]], inputs: dict[str, Optional[torch.Tensor]]) -> None:
     """Raises ValueError if an output's memory overlaps an input's or another output's (byte spans,
     on the same device; None and empty tensors skipped): a kernel writing what it reads gives a
-    race, not an error."""
-    named = [(name, t, True) for name, t in outputs.items() if t is not None and t.numel()]
-    named += [(name, t, False) for name, t in inputs.items() if t is not None and t.numel()]
-    for i, (name, t, _) in enumerate(named):
-        if not named[i][2]:
-            break  # (outputs first: each pair holding an output is seen once)
-        begin, end = byte_span(t)
-        for other, u, _ in named[i + 1:]:
-            u_begin, u_end = byte_span(u)
-            if u.device == t.device and begin < u_end and u_begin < end:
+    race, not an error. Each span is computed once (this runs before every launch)."""
+    spans = [(name, *byte_span(t), t) for group in (outputs, inputs) for name, t in group.items()
+             if t is not None and t.numel()]
+    num_outputs = sum(1 for t in outputs.values() if t is not None and t.numel())
+    for i in range(num_outputs):
+        name, begin, end, t = spans[i]
+        for other, u_begin, u_end, u in spans[i + 1:]:
+            if begin < u_end and u_begin < end and u.device == t.device:
                 raise ValueError(f"{name} overlaps {other} in memory: outputs must not share memory with "
                                  f"inputs or with each other")
 

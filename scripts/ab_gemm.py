@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from bench_common import import_deep_gemm, require_sm90  # noqa: E402
+from bench_common import import_deep_gemm, require_sm90, timed_in_rotation  # noqa: E402
 from bench_gemm import FP8_CASES, all_cases  # noqa: E402
 from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
-from deep_gemm.testing import offsets_from_sizes, timed_in_rotation, warm_up_gpu  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, warm_up_gpu  # noqa: E402
 
 
 # The FP8 layer's forms of GEMM1's shape (rows gathered, SwiGLU with an e4m3 act, both), timed beside

@@ -4,8 +4,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from deep_gemm.testing import SustainedTiming
 
 MODELS = {  # name: (H, I, E, top-k, tokens per rank)
     "30b": (2048, 768, 128, 8, 16384),  # Qwen3-30B-A3B
@@ -42,3 +46,27 @@ def load_upstream_deep_gemm(directory: str):
     """Upstream DeepGEMM's package from `directory` (a checkout built in place by its develop.sh,
     e.g. one patched by scripts/apply_patches.sh), as `upstream_deep_gemm`."""
     return import_deep_gemm(directory, "upstream_deep_gemm")
+
+
+def timed_in_rotation(fns: Sequence[Optional[Callable[[], object]]], rounds: int,
+                      sustained: Optional[float] = None) -> list[list[SustainedTiming]]:
+    """Times each of `fns` once a round for `rounds` rounds, round r starting at ``fns[r % n]`` and
+    going round the list, so that slow drifts of the GPU's clock (the power cap setting in) hit every
+    side alike; with `rounds` a multiple of n, each side takes each place in the order equally often.
+    A round times a side by `sustained_ms(fn, sustained)`, or without `sustained` by a burst
+    (`bench_ms(fn, warmup=2, iters=10)`, clock and power None). Returns each side's timings in round
+    order; a None in `fns` is skipped (its list stays empty). (Here, not in `deep_gemm.testing`:
+    `device_ab.sh` runs these scripts against older checkouts' libraries.)"""
+    from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms  # (the caller's deep_gemm, imported first)
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    timings: list[list[SustainedTiming]] = [[] for _ in fns]
+    for r in range(rounds):
+        for i in range(len(fns)):
+            side = (r + i) % len(fns)
+            fn = fns[side]
+            if fn is not None:
+                timings[side].append(sustained_ms(fn, sustained) if sustained
+                                     else SustainedTiming(bench_ms(fn, warmup=2, iters=10), None, None))
+    return timings

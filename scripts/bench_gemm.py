@@ -58,11 +58,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
-from bench_common import MODELS, load_upstream_deep_gemm, require_sm90  # noqa: E402
+from bench_common import MODELS, load_upstream_deep_gemm, require_sm90, timed_in_rotation  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error,  # noqa: E402
-                               timed_in_rotation, upper_median, warm_up_gpu)
+                               upper_median, warm_up_gpu)
 from deep_gemm.testing.fp8_baseline import quantize_rowwise, torch_fp8_rowwise_wgrad  # noqa: E402
 
 

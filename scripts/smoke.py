@@ -25,6 +25,7 @@ import deep_gemm  # noqa: E402
 from bench_common import require_sm90  # noqa: E402
 from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes, relative_error  # noqa: E402
+from deep_gemm.utils import env_flag  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("kind", choices=("nt", "nn", "tn"))
@@ -41,7 +42,7 @@ step("imported")
 
 
 def show_trace() -> None:
-    if os.environ.get("DG_JIT_DEBUG_TRACE"):
+    if env_flag("DG_JIT_DEBUG_TRACE"):
         from deep_gemm.jit.runtime import trace_buffer
         for _ in range(2):
             time.sleep(1.5)

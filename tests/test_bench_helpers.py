@@ -1,11 +1,16 @@
-"""The timing helpers the benchmarks share (deep_gemm.testing.bench)."""
+"""The timing helpers the benchmarks share (deep_gemm.testing.bench, scripts/bench_common.py)."""
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-import deep_gemm.testing.bench as bench
-from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms, timed_in_rotation, upper_median
+import deep_gemm.testing as testing
+from deep_gemm.testing import SustainedTiming, bench_ms, sustained_ms, upper_median
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from bench_common import timed_in_rotation  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,8 +54,8 @@ def _record_order(monkeypatch) -> list:
         order.append(fn())
         return len(order)
 
-    monkeypatch.setattr(bench, "bench_ms", timer)
-    monkeypatch.setattr(bench, "sustained_ms", lambda fn, seconds: SustainedTiming(timer(fn), 1500.0, 700.0))
+    monkeypatch.setattr(testing, "bench_ms", timer)
+    monkeypatch.setattr(testing, "sustained_ms", lambda fn, seconds: SustainedTiming(timer(fn), 1500.0, 700.0))
     return order
 
 

@@ -231,7 +231,7 @@ def _bf16_problem(T=8, H=64, I=64, E=4, K=2):
     (lambda a: a.append(torch.empty(8, 64)), TypeError, "y must have dtype"),
     (lambda a: a.append(torch.empty(7, 64, dtype=torch.bfloat16)), ValueError, "y must be"),
     (lambda a: a.append(_misaligned(torch.empty(8, 64, dtype=torch.bfloat16))), ValueError, "y must be 16-byte"),
-    (lambda a: a.append(a[0]), ValueError, "y overlaps x in memory"),  # the handle would keep x: no y over it
+    (lambda a: a.append(a[3].view(-1)[:8 * 64].view(8, 64)), ValueError, "y overlaps l1 in memory"),
     (lambda a: a.__setitem__(0, a[0].tolist()), TypeError, "x must be"),
     (lambda a: None, ValueError, "CUDA"),
 ])
@@ -240,6 +240,14 @@ def test_forward_rejects_bad_input(mutate, error, match):
     mutate(args)
     with pytest.raises(error, match=match):
         deep_gemm.bf16_mega_moe(*args)
+
+
+@pytest.mark.parametrize("training,match", [(True, "y overlaps x in memory"), (False, "CUDA")])
+def test_y_may_be_x_in_inference_only(training, match):
+    """The combine writes y after every read of x; in training the handle keeps x for the backward."""
+    args = _bf16_problem()
+    with pytest.raises(ValueError, match=match):
+        deep_gemm.bf16_mega_moe(*args, y=args[0], training=training)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -280,7 +280,8 @@ def test_cpu_tensors_are_refused():
 
 @pytest.mark.parametrize("bad,error,match", [
     (dict(x=lambda p: p["x"].tolist()), TypeError, "x must be"),  # (not an AttributeError from a size check)
-    (dict(y=lambda p: p["x"]), ValueError, "y overlaps x in memory"),
+    (dict(y=lambda p: p["x"], training=lambda p: True), ValueError, "y overlaps x in memory"),
+    (dict(y=lambda p: p["x"]), ValueError, "runs on CUDA tensors"),  # in inference y may be x
 ])
 def test_the_fp8_forward_refuses_bad_input_clearly(bad, error, match):
     p = make_moe_inputs(4, 128, 128, 4, 2, seed=0)

@@ -140,7 +140,9 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         topk_weights: ``[T, K]`` float routing weights (ignored on empty slots).
         l1: ``[E, 2I, H]`` bf16, rows ``[0, I)`` gate and ``[I, 2I)`` up.
         l2: ``[E, H, I]`` bf16.
-        y: optional ``[T, H]`` bf16 output to write into (contiguous, 16-byte aligned).
+        y: optional ``[T, H]`` bf16 output to write into (contiguous, 16-byte aligned), sharing
+            no memory with the other arguments; without `training` it may be x itself (written
+            after every read of x).
         training: also return the handle `mega_moe_backward` needs (see `MegaMoEHandle`).
         check_ids: check expert ids on the host (a sync, raises ValueError) instead of with an
             asynchronous device-side assert.
@@ -167,8 +169,10 @@ def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
         check_tensor("y", y, torch.bfloat16, 2)
         if tuple(y.shape) != (num_tokens, hidden) or y.device != x.device:
             raise ValueError(f"y must be [{num_tokens}, {hidden}] on {x.device}, got {list(y.shape)} on {y.device}")
-        # (the handle keeps x itself when its rows are dense: a y over it would corrupt the backward)
-        check_disjoint(dict(y=y), dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, l1=l1, l2=l2))
+        # y may be x in inference (the combine writes y after every read of x), not in training,
+        # where the handle keeps x itself for the backward
+        check_disjoint(dict(y=y), dict(x=x if training else None, topk_idx=topk_idx, topk_weights=topk_weights, l1=l1,
+                                       l2=l2))
     if not x.is_cuda:
         raise ValueError(f"{name} runs on CUDA tensors")
     if y is None:

@@ -1,10 +1,9 @@
-"""Timing on the GPU: short bursts (`bench_ms`), the steady state (`sustained_ms`), several sides
-timed in rotation (`timed_in_rotation`), a warm-up, and the median the benchmarks report
-(`upper_median`)."""
+"""Timing on the GPU: short bursts (`bench_ms`), the steady state (`sustained_ms`), a warm-up, and
+the median the benchmarks report (`upper_median`)."""
 import statistics
 import threading
 import time
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -119,24 +118,3 @@ def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, batch: int = 5)
     mhz = statistics.median(c for c, _ in settled) if settled else None
     watts = statistics.median(w for _, w in settled) if settled else None
     return SustainedTiming(ms, mhz, watts)
-
-
-def timed_in_rotation(fns: Sequence[Optional[Callable[[], object]]], rounds: int,
-                      sustained: Optional[float] = None) -> list[list[SustainedTiming]]:
-    """Times each of `fns` once a round for `rounds` rounds, round r starting at ``fns[r % n]`` and
-    going round the list, so that slow drifts of the GPU's clock (the power cap setting in) hit every
-    side alike; with `rounds` a multiple of n, each side takes each place in the order equally often.
-    A round times a side by `sustained_ms(fn, sustained)`, or without `sustained` by a burst
-    (`bench_ms(fn, warmup=2, iters=10)`, clock and power None). Returns each side's timings in round
-    order; a None in `fns` is skipped (its list stays empty)."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-    timings: list[list[SustainedTiming]] = [[] for _ in fns]
-    for r in range(rounds):
-        for i in range(len(fns)):
-            side = (r + i) % len(fns)
-            fn = fns[side]
-            if fn is not None:
-                timings[side].append(sustained_ms(fn, sustained) if sustained
-                                     else SustainedTiming(bench_ms(fn, warmup=2, iters=10), None, None))
-    return timings
