@@ -163,11 +163,21 @@ def test_256_wide_tiles_equal_128_wide_ones_bit_for_bit(monkeypatch, gather):
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
+# Group sizes for the SwiGLU epilogues: every kind of tail, one huge group, and 300 groups of 0-3
+# rows before a huge one (a CTA's next tile many groups on).
+SWIGLU_SIZES = {
+    "tails": [0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 1000],
+    "one-huge": [5000],
+    "tiny-then-huge": [g % 4 for g in range(300)] + [9000],
+}
+
+
 @requires_sm90
+@pytest.mark.parametrize("sizes", SWIGLU_SIZES.values(), ids=SWIGLU_SIZES.keys())
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
-def test_swiglu_epilogue_writes_the_gemm_and_silu_gate_times_up(gather):
+def test_swiglu_epilogue_writes_the_gemm_and_silu_gate_times_up(gather, sizes):
     """h is the plain GEMM's output bit for bit; act = silu(gate) * up from the fp32 sums."""
-    sizes, inter, k = [0, 1, 127, 128, 129, 300, 0, 1000], 256, 512
+    inter, k = 256, 512
     a = torch.randn(sum(sizes) + 3, k, device="cuda", dtype=torch.bfloat16)
     a_fp8 = fp8_quantize_rows(a)
     w = fp8_quantize_weights((torch.randn(len(sizes), 2 * inter, k, device="cuda") / k**0.5).to(torch.bfloat16))
@@ -199,13 +209,14 @@ def _poisoned_fp8_rows(m: int, k: int):
 
 
 @requires_sm90
+@pytest.mark.parametrize("sizes", SWIGLU_SIZES.values(), ids=SWIGLU_SIZES.keys())
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered_rows"])
-def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather):
+def test_swiglu_epilogue_quantizes_act_as_fp8_quantize_rows_does(gather, sizes):
     """act as an e4m3 (data, scales) pair is fp8_quantize_rows of the bf16 act, bit for bit, and h
     is unchanged; groups empty, of one row, ending inside a warpgroup's 64 rows or a tile's 128;
     zero rows (scale 1); M not a multiple of 4 (the scales' column stride rounded up); rows
     outside every group left unwritten in the data and the scales."""
-    sizes, inter, k = [0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 1000], 384, 512
+    inter, k = 384, 512
     rows = sum(sizes)
     a = torch.randn(rows + 2, k, device="cuda", dtype=torch.bfloat16)
     a[5] = 0
@@ -382,11 +393,21 @@ _COLS_A, _COLS_B = _columns(), _columns(width=128)
     ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128, dtype=torch.half),
      "dtype"),
     (_COLS_A.data, (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128), "pair"),
+    ((_COLS_A.data[:192].contiguous(), _COLS_A.scales[:, :192].contiguous()), (_COLS_B.data, _COLS_B.scales),
+     torch.empty(2, 192, 128), "192 must be a multiple of 128"),
+    ((_COLS_A.data, _COLS_A.scales.T.contiguous().T), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128),
+     "contiguous"),
     ((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales), torch.empty(2, 256, 128), "CUDA"),  # devices last
 ])
 def test_weight_gradient_refuses_bad_input_before_any_launch(a, b, d, error):
     with pytest.raises((TypeError, ValueError), match=error):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous(a, b, d, _COLS_A.padded_offsets)
+
+
+def test_weight_gradient_accumulate_is_a_bool():
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        deep_gemm.k_grouped_fp8_gemm_tn_contiguous((_COLS_A.data, _COLS_A.scales), (_COLS_B.data, _COLS_B.scales),
+                                                   torch.empty(2, 256, 128), _COLS_A.padded_offsets, accumulate=1)
 
 
 def _operands(m=256, n=256, k=256, g=2, device="cpu"):
@@ -421,6 +442,8 @@ _A, _B, _D, _OFFSETS = _operands()
     (dict(a=_A[0]), "a must be a \\(data, scales\\) pair"),
     (dict(a=(fp8_quantize_rows(torch.randn(256, 512, dtype=torch.bfloat16)).data[:, :256], _A[1])), "contiguous"),
     (dict(offsets=torch.tensor([0, 256], dtype=torch.int32)), "groups"),
+    (dict(a=(torch.empty(256 * 256 + 16, dtype=torch.float8_e4m3fn)[1:256 * 256 + 1].view(256, 256), _A[1])),
+     "16-byte aligned"),
 ])
 def test_bad_input_is_refused_before_any_launch(change, error):
     with pytest.raises((TypeError, ValueError), match=error):

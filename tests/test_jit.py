@@ -1,10 +1,12 @@
 """The JIT: every kernel variant a launcher can pick compiles for sm_90a without spills or
-serialized WGMMAs, its parameter struct and shared memory match what the launcher packs and asks
-for (or it does not compile), and the disk cache returns a compiled kernel without recompiling.
-Needs nvcc, not a GPU."""
+serialized WGMMAs (and the FP8 GEMMs' SASS holds FP8 MMAs), its parameter struct and shared memory
+match what the launcher packs and asks for (or it does not compile), and the disk cache returns a
+compiled kernel without recompiling. Needs nvcc (and for the SASS nvdisasm or cuobjdump), not a GPU."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 import time
 
@@ -20,6 +22,9 @@ from deep_gemm.jit.params import ParamsStruct  # noqa: E402
 from deep_gemm.jit.runtime import build_kernel  # noqa: E402
 from deep_gemm.precompile import all_kernels, resource_report  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from kloop_sass import disassemble  # noqa: E402
+
 try:
     nvcc_path()
     HAS_NVCC = True
@@ -33,6 +38,19 @@ requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_kernel_compiles_without_spills_or_serialized_mmas(label, build):
     report = resource_report(build())
     assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0 and not report["serialized_wgmma"], report
+
+
+DISASSEMBLER = shutil.which("nvdisasm") or shutil.which("cuobjdump")
+FP8_GEMMS = [(label, build) for label, build in all_kernels() if label.startswith(("m_grouped_fp8", "k_grouped_fp8"))]
+
+
+@requires_nvcc
+@pytest.mark.skipif(DISASSEMBLER is None, reason="needs nvdisasm or cuobjdump")
+@pytest.mark.parametrize("label,build", FP8_GEMMS, ids=[k for k, _ in FP8_GEMMS])
+def test_fp8_gemms_issue_fp8_mmas_and_use_no_local_memory(label, build):
+    sass = disassemble(str(build().cubin), DISASSEMBLER)
+    assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", sass), "no e4m3 WGMMA in the SASS"
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
 
 
 @requires_nvcc

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
+from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights  # noqa: E402
 from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
 from emulated_kernels import PAIRS, patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, mega_moe, mega_moe_backward  # noqa: E402
@@ -123,18 +124,24 @@ def _share_memory(args: dict, output: str, source: str) -> None:
     args.update({output: buffer, source: view})
 
 
-def _backward_problem(device: str) -> dict:
+def _backward_problem(device: str, recipe: str = "bf16") -> dict:
     """A forward's handle and the arguments of a correct backward that accumulates into
-    existing dl1, dl2: float64 with the emulated kernels on a CPU, bf16 (fp32 gradients) on a GPU."""
-    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    existing dl1, dl2: float64 with the emulated kernels on a CPU (bf16 for the FP8 recipe), bf16
+    (fp32 gradients) on a GPU."""
+    dtype = torch.float64 if device == "cpu" and recipe == "bf16" else torch.bfloat16
     p = make_moe_inputs(33, 128, 128, 8, 4, dtype=dtype, device=device, routing="skewed", empty_slot_frac=0.2)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2")]
     if device == "cpu":
         layout = build_routing_layout(p["topk_idx"], p["topk_weights"], 8)
-        handle = MegaMoEHandle(layout, p["x"], moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"],
-                                                            torch.empty_like(p["x"])))
+        if recipe == "fp8":
+            h = fp8_moe_forward(p["x"], layout, p["topk_weights"], fp8_weights(p["l1"]), fp8_weights(p["l2"]),
+                                torch.empty_like(p["x"]))
+        else:
+            h = moe_forward(*args[:1], layout, *args[2:], torch.empty_like(p["x"]))
+        handle = MegaMoEHandle(layout, p["x"], h, recipe=recipe)
     else:
-        _, handle = deep_gemm.bf16_mega_moe(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], training=True)
-    grad_dtype = torch.float64 if device == "cpu" else torch.float32
+        _, handle = (deep_gemm.fp8_mega_moe if recipe == "fp8" else deep_gemm.bf16_mega_moe)(*args, training=True)
+    grad_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(dy=p["dy"], l1=p["l1"], l2=p["l2"], handle=handle, weight_grad_dtype=grad_dtype, keep_handle=False,
                 dl1=torch.randn(p["l1"].shape, dtype=grad_dtype, device=device),
                 dl2=torch.randn(p["l2"].shape, dtype=grad_dtype, device=device))
@@ -156,13 +163,15 @@ def _state(args: dict) -> list:
     return [(t, t.clone()) for t in tensors]
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_sm90)])
 @pytest.mark.parametrize("what,make_bad,error", BAD_BACKWARD_ARGS, ids=[b[0] for b in BAD_BACKWARD_ARGS])
-def test_a_rejected_backward_changes_nothing_and_a_corrected_retry_is_right(request, device, what, make_bad, error):
+def test_a_rejected_backward_changes_nothing_and_a_corrected_retry_is_right(request, device, recipe, what, make_bad,
+                                                                            error):
     if device == "cpu":
         request.getfixturevalue("emulated_gemms")
-    good = _backward_problem(device)
-    kept = dict(good, handle=MegaMoEHandle(good["handle"].layout, good["handle"].x, good["handle"].h.clone()),
+    good = _backward_problem(device, recipe)
+    kept = dict(good, handle=dataclasses.replace(good["handle"], h=good["handle"].h.clone()),
                 dl1=good["dl1"].clone(), dl2=good["dl2"].clone())
     expected = _call_backward(kept)  # the same backward, on copies, never rejected
     bad = dict(good)

@@ -20,6 +20,7 @@ import deep_gemm  # noqa: E402
 from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights, invalidate_fp8_weights  # noqa: E402
 from deep_gemm.moe.forward import MegaMoEHandle  # noqa: E402
+from deep_gemm.testing import same_bits  # noqa: E402
 from emulated_kernels import patch_kernels  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
 from megamoe_bwd.reference import reference_backward, reference_forward, relative_error  # noqa: E402
@@ -77,11 +78,40 @@ def test_emulated_layer_meets_the_fp8_bar(emulated_gemms, case):
         assert ours <= 1.5 * recipe, f"{name}: {ours:.3e} against the FP8 recipe's {recipe:.3e}"
 
 
+# GPU only (the emulated float64 reference of a 2048-wide layer is slow on the CPU): K of 2048 and
+# 768 (the 30B shape's H and I), 8 of 32 experts, skewed
+GPU_CASES = CASES + [(512, 2048, 768, 32, 8, "skewed", 0.1)]
+
+
 @requires_sm90
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[5]}-T{c[0]}-empty{c[6]}" for c in CASES])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[5]}-T{c[0]}-H{c[1]}-empty{c[6]}" for c in GPU_CASES])
 def test_layer_meets_the_fp8_bar(case):
     for name, (ours, recipe) in _errors(_gpu_layer, case, "cuda").items():
         assert ours <= 1.5 * recipe, f"{name}: {ours:.3e} against the FP8 recipe's {recipe:.3e}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_sm90)])
+@pytest.mark.parametrize("tokens,empty", [(0, 0.0), (16, 1.0)], ids=["T0", "every-slot-empty"])
+def test_no_tokens_or_no_routed_slot_give_zeros(request, device, tokens, empty):
+    """T = 0, or every slot -1: every expert empty, outputs of the right shapes, all zeros."""
+    if device == "cpu":
+        request.getfixturevalue("emulated_gemms")
+    p = make_moe_inputs(tokens, 128, 128, 4, 2, device=device, empty_slot_frac=empty, seed=0)
+    layer = _emulated_layer if device == "cpu" else _gpu_layer
+    outputs = layer(*(p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")))
+    shapes = ((tokens, 128), (tokens, 128), (tokens, 2), (4, 256, 128), (4, 128, 128))
+    for name, out, shape in zip(OUTPUTS, outputs, shapes):
+        assert tuple(out.shape) == shape and not out.any(), name
+
+
+@requires_sm90
+def test_the_fp8_layer_is_deterministic():
+    """Two forwards and backwards on the same inputs give the same bits (no atomics anywhere)."""
+    p = make_moe_inputs(256, 1024, 512, 8, 4, device="cuda", routing="skewed", empty_slot_frac=0.1, seed=3)
+    args = [p[n] for n in ("x", "topk_idx", "topk_weights", "l1", "l2", "dy")]
+    first, second = _gpu_layer(*args), _gpu_layer(*args)
+    for name, a, b in zip(OUTPUTS, first, second):
+        assert same_bits(a, b), name
 
 
 def test_the_fp8_recipe_is_near_the_spec_and_not_equal_to_it():
@@ -413,6 +443,26 @@ def test_an_optimizer_step_frees_the_stale_copies_before_it_runs():
     assert seen_during_step == [True]
 
 
+def test_a_weight_whose_storage_moves_is_quantized_again():
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+    first = fp8_weights(w)
+    w.data = w.data * 2  # new storage, no in-place write: the cache key's address changes
+    second = fp8_weights(w)
+    assert second is not first and torch.equal(second.scales, first.scales * 2)
+
+
+def test_an_inference_tensors_copy_is_renewed_by_an_explicit_invalidation():
+    """An inference tensor has no version counter: its copy stays until `invalidate_fp8_weights`
+    (or a storage move), as `fp8_weights` documents."""
+    with torch.inference_mode():
+        w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
+        first = fp8_weights(w)
+        w.mul_(2)
+        assert fp8_weights(w) is first
+    invalidate_fp8_weights()
+    assert torch.equal(fp8_weights(w).scales, first.scales * 2)
+
+
 def test_writes_through_data_need_an_explicit_invalidation():
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     before = fp8_weights(w)
@@ -475,7 +525,7 @@ def test_the_fused_swiglu_backward_is_the_bf16_kernel_then_the_quantization(case
     from deep_gemm.moe.kernels import moe_swiglu_bwd_bf16
     from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8
     from deep_gemm.quant import fp8_quantize_columns
-    from deep_gemm.testing import poisoned_allocations, same_bits
+    from deep_gemm.testing import poisoned_allocations
     T, inter, E, K, routing, empty = case
     p = make_moe_inputs(T, 128, inter, E, K, device="cuda", routing=routing, empty_slot_frac=empty, seed=T + inter)
     layout = build_routing_layout(p["topk_idx"], p["topk_weights"], E)
