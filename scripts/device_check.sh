@@ -44,9 +44,9 @@ if has tests; then
   run_tests gemm 120 tests/test_grouped_gemm.py -k "not gathered_rows and not swiglu"
   run_tests gather 90 tests/test_grouped_gemm.py -k "gathered_rows and not swiglu"
   run_tests swiglu 60 tests/test_grouped_gemm.py -k swiglu
-  run_tests moe 150 tests/test_mega_moe.py
+  run_tests moe 210 tests/test_mega_moe.py
   run_tests integ 420 tests/test_integrations.py  # (torch.compile of three models)
-  run_tests fp8 240 tests/test_fp8_gemm.py tests/test_fp8_quant.py tests/test_mega_moe_fp8.py
+  run_tests fp8 360 tests/test_fp8_gemm.py tests/test_fp8_quant.py tests/test_mega_moe_fp8.py
   run_tests other 240 tests --ignore=tests/test_grouped_gemm.py --ignore=tests/test_mega_moe.py \
     --ignore=tests/test_integrations.py --ignore=tests/test_fp8_gemm.py --ignore=tests/test_fp8_quant.py \
     --ignore=tests/test_mega_moe_fp8.py
