@@ -132,9 +132,12 @@ def test_many_tiles_on_few_sms(num_sms, gather):
 
 
 @requires_sm90
+@pytest.mark.parametrize("data_gradient", [False, True], ids=["forward", "data_gradient"])
 @pytest.mark.parametrize("spec,n,k", [("uniform", 1536, 2048), ("skewed", 2048, 768), ([5000], 384, 2048)])
-def test_blockwise_recipe_is_at_least_as_accurate_as_torch_rowwise(spec, n, k):
-    sizes, a, b, offsets, d, _ = _run(spec, n, k)
+def test_blockwise_recipe_is_at_least_as_accurate_as_torch_rowwise(spec, n, k, data_gradient):
+    """Against the fp32 product of the bf16 operands; the data gradient multiplies by the weights'
+    transposed copy (the same 128 x 128 blocks and scales as the forward's)."""
+    sizes, a, b, offsets, d, _ = _run(spec, n, k, data_gradient)
     rows = sum(sizes)
     exact = _reference(a, b, sizes)
     ours = relative_error(d[:rows], exact)
