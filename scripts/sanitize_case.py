@@ -20,7 +20,7 @@ from deep_gemm.gemm import k_grouped_bf16, m_grouped_bf16  # noqa: E402
 from deep_gemm.moe import build_routing_layout  # noqa: E402
 from deep_gemm.moe.kernels import ep_wait_flags, moe_combine_bf16  # noqa: E402
 from deep_gemm.moe.kernels_fp8 import moe_swiglu_bwd_fp8  # noqa: E402
-from deep_gemm.quant import fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
+from deep_gemm.quant import empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights  # noqa: E402
 from deep_gemm.testing import offsets_from_sizes  # noqa: E402
 from deep_gemm.utils import num_sms_capped  # noqa: E402
 from megamoe_bwd import make_moe_inputs, mega_moe_backward  # noqa: E402
@@ -80,6 +80,25 @@ d8 = torch.empty(rows, 384, device="cuda", dtype=torch.bfloat16)
 for row_index in (None, index):
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, offsets,
                                                a_row_index=row_index)
+# FP8 GEMM1's forms: SwiGLU with act in bf16 and in e4m3, rows by TMA and gathered; then passes
+# with their flags (already set) and one pass per launch, as the NVLink exchange runs them.
+w8_swiglu = fp8_quantize_weights(torch.randn(len(sizes), 256, 256, device="cuda", dtype=torch.bfloat16))  # 2I = 256
+h8 = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
+act8 = empty_fp8_rows(rows, 128, "cuda")
+for row_index in (None, index):
+    for act in (torch.empty(rows, 128, device="cuda", dtype=torch.bfloat16), (act8.data, act8.scales)):
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous((a8.data, a8.scales), (w8_swiglu.data, w8_swiglu.scales),
+                                                          h8, act, offsets, a_row_index=row_index)
+deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, run_offsets,
+                                           a_row_index=index, num_passes=2, ready_flags=flags)
+for pass_range in ((1, 2), (0, 1)):
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, run_offsets,
+                                               num_passes=2, pass_range=pass_range)
+# Columns from FP8 rows (dequantized in the loads), gathered or not; the weights in one orientation.
+for row_index in (None, index):
+    fp8_quantize_columns(a8, offsets, row_index=row_index, with_rows=True)
+for which in ("data", "data_t"):
+    fp8_quantize_weights(torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16), which=which)
 dx8 = torch.empty(rows, 256, device="cuda", dtype=torch.bfloat16)
 _, c1 = fp8_quantize_columns(torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16), offsets)
 for with_rows in (True, False):  # rows gathered in the loads, some out of range
