@@ -171,8 +171,8 @@ def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
             raise ValueError(f"y must be [{num_tokens}, {hidden}] on {x.device}, got {list(y.shape)} on {y.device}")
         # y may be x in inference (the combine writes y after every read of x), not in training,
         # where the handle keeps x itself for the backward
-        check_disjoint(dict(y=y), dict(x=x if training else None, topk_idx=topk_idx, topk_weights=topk_weights, l1=l1,
-                                       l2=l2))
+        inputs = dict(x=x if training else None, topk_idx=topk_idx, topk_weights=topk_weights, l1=l1, l2=l2)
+        check_disjoint(dict(y=y), inputs)
     if not x.is_cuda:
         raise ValueError(f"{name} runs on CUDA tensors")
     if y is None:

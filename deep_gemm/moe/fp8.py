@@ -92,11 +92,10 @@ def fp8_weights(w: torch.Tensor) -> Fp8Weights:
     under ``no_grad``), when its storage moves, and after `invalidate_fp8_weights`. An inference
     tensor (made under ``torch.inference_mode``) has no version counter: its copy is made again
     only when its storage moves or after `invalidate_fp8_weights`, which a caller changing it in
-    place must call. While a CUDA
-    graph is being captured it is always made (inside the graph, so every replay quantizes the
-    weight as it then is). The copy holds 2 bytes per parameter, from the first forward after
-    a step to the next step. With PER_GEMM the copy holds the forward's orientation only (its
-    ``data_t`` is None: the backward makes its own, `fp8_dgrad_weights`)."""
+    place must call. While a CUDA graph is being captured it is always made (inside the graph, so
+    every replay quantizes the weight as it then is). The copy holds 2 bytes per parameter, from
+    the first forward after a step to the next step. With PER_GEMM the copy holds the forward's
+    orientation only (its ``data_t`` is None: the backward makes its own, `fp8_dgrad_weights`)."""
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(lambda *_: invalidate_fp8_weights())
@@ -152,7 +151,8 @@ def check_fp8_sizes(x: torch.Tensor, topk_idx: torch.Tensor, l1: torch.Tensor) -
     """What the FP8 backward's quantization passes take, checked in the forward (so that a
     backward never stops halfway): at most MAX_GROUPS experts (the column quantization's
     group scan), and fewer than 2^31 elements in its largest operand, [T * K, max(H, 2I)]."""
-    if not all(isinstance(t, torch.Tensor) for t in (x, topk_idx, l1)) or (x.dim(), topk_idx.dim(), l1.dim()) != (2, 2, 3):
+    tensors = (x, topk_idx, l1)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or tuple(t.dim() for t in tensors) != (2, 2, 3):
         return  # (check_moe_inputs says what is wrong)
     num_experts, two_inter, hidden = l1.shape
     if num_experts > MAX_GROUPS:
@@ -171,8 +171,9 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
 
     x and the SwiGLU activation are quantized per 1 x 128, the weights per 128 x 128
     (`fp8_weights`), as `set_fp8_weight_copies` says: cached until a weight changes (PER_STEP, the
-    default), made by every call (PER_CALL), or each orientation just before its GEMM (PER_GEMM). With `training`, the handle (recipe "fp8")
-    makes `mega_moe_backward` run the backward in FP8 as well.
+    default), made by every call (PER_CALL), or each orientation just before its GEMM (PER_GEMM).
+    With `training`, the handle (recipe "fp8") makes `mega_moe_backward` run the backward in FP8
+    as well.
     """
     check_fp8_sizes(x, topk_idx, l1)
     x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "fp8_mega_moe",
