@@ -347,15 +347,18 @@ def test_columns_kernel_equals_the_reference(sizes, k, power_of_two):
 
 
 @requires_sm90
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 @pytest.mark.parametrize("sizes,k", GROUP_CASES[:4])
-def test_gathered_columns_kernel_equals_the_reference(sizes, k):
+def test_gathered_columns_kernel_equals_the_reference(sizes, k, pow2):
     sizes = _sizes(sizes)
     x = _activations(max(sum(sizes) // 2, 1), k)
     index = _row_index(sum(sizes), x.shape[0])
     offsets = offsets_from_sizes(sizes, "cpu")
-    ref_rows, ref = reference.fp8_quantize_columns_torch(x, offsets, row_index=index, with_rows=True)
+    ref_rows, ref = reference.fp8_quantize_columns_torch(x, offsets, row_index=index, with_rows=True,
+                                                         power_of_two_scales=pow2)
     with poisoned_allocations(16 * (index.numel() * k + 128 * len(sizes) * k)) as poisoned:
-        rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=index.cuda(), with_rows=True)
+        rows, cols = fp8_quantize_columns(x.cuda(), offsets.cuda(), row_index=index.cuda(), with_rows=True,
+                                          power_of_two_scales=pow2)
         assert poisoned(cols.data) and poisoned(cols.scales)
     assert same_written_columns(cols, ref)
     _assert_rows_equal(rows, ref_rows, slice(0, sum(sizes)))
@@ -417,15 +420,16 @@ def test_weights_kernel_equals_the_reference(g, n, k, power_of_two):
 
 
 @requires_sm90
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 @pytest.mark.parametrize("which", ["data", "data_t"])
 @pytest.mark.parametrize("g,n,k", [(1, 128, 128), (3, 256, 384), (2, 7168, 2048)])
-def test_weights_kernel_in_one_orientation_equals_the_reference(g, n, k, which):
+def test_weights_kernel_in_one_orientation_equals_the_reference(g, n, k, which, pow2):
     w = (torch.randn(g, n, k) * torch.exp2(torch.randint(-8, 4, (g, n, 1)).float())).to(torch.bfloat16)
     with poisoned_allocations(4 * w.numel()) as poisoned:
-        out = fp8_quantize_weights(w.cuda(), which=which)
+        out = fp8_quantize_weights(w.cuda(), which=which, power_of_two_scales=pow2)
         assert poisoned(getattr(out, which)) and poisoned(out.scales)
     assert getattr(out, "data_t" if which == "data" else "data") is None
-    ref = reference.fp8_quantize_weights_torch(w)
+    ref = reference.fp8_quantize_weights_torch(w, power_of_two_scales=pow2)
     assert same_bits(getattr(out, which), getattr(ref, which)) and same_bits(out.scales, ref.scales)
 
 
@@ -468,19 +472,20 @@ def test_fp8_rows_with_malformed_scales_are_refused(scales, match):
 
 
 @requires_sm90
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 @pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.parametrize("sizes,k", [([0, 1, 127, 128, 129, 300, 0, 1000], 256), ("skewed", 2048)])
-def test_columns_kernel_from_fp8_rows_equals_the_reference(sizes, k, gather):
+@pytest.mark.parametrize("sizes,k", [([0, 1, 127, 128, 129, 300, 0, 1000], 256), ("skewed", 2048), ([5000], 256)])
+def test_columns_kernel_from_fp8_rows_equals_the_reference(sizes, k, gather, pow2):
     sizes = _sizes(sizes)
     rows = _fp8_rows(sum(sizes) + 5, k)
     index = _row_index(sum(sizes), rows.data.shape[0]) if gather else None
     offsets = offsets_from_sizes(sizes, "cpu")
     bf16 = reference.dequantize_rows(rows).to(torch.bfloat16)[: None if gather else sum(sizes)]
-    _, ref = reference.fp8_quantize_columns_torch(bf16, offsets, row_index=index)
+    _, ref = reference.fp8_quantize_columns_torch(bf16, offsets, row_index=index, power_of_two_scales=pow2)
     source = rows if gather else Fp8Rows(rows.data[:sum(sizes)], rows.scales[:sum(sizes)])
     with poisoned_allocations(16 * (sum(sizes) + 128 * len(sizes)) * k) as poisoned:
         _, cols = fp8_quantize_columns(Fp8Rows(source.data.cuda(), source.scales.cuda()), offsets.cuda(),
-                                       row_index=None if index is None else index.cuda())
+                                       row_index=None if index is None else index.cuda(), power_of_two_scales=pow2)
         assert poisoned(cols.data) and poisoned(cols.scales)
     assert same_bits(cols.padded_offsets, ref.padded_offsets)
     assert same_written_columns(cols, ref)
