@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 
 import pytest
@@ -294,6 +295,69 @@ def test_passes_wait_for_flags_and_pass_ranges_compute_only_theirs():
         second[lo:hi] = run % 2 == 1
     assert bool(torch.isnan(d[~second]).all()) and not bool(torch.isnan(d[second]).any())
     assert relative_error(d[second], ref[second]) <= exact_bar(ref[second])
+
+
+# Run in a process of its own (`test_gathered_passes_read_their_rows_only_after_their_flags`): a
+# pass read before its rows land gives NaNs, but a wait that never ends traps the kernel, and a trap
+# leaves the process's CUDA context unusable for every later test.
+_LANDING = r"""
+import sys
+import torch
+import deep_gemm
+from deep_gemm.jit.runtime import stream_write_u32
+from deep_gemm.quant import empty_fp8_rows, fp8_quantize_rows, fp8_quantize_weights
+from deep_gemm.testing import offsets_from_sizes, same_bits
+
+swiglu = sys.argv[1] == "swiglu"
+torch.manual_seed(0)
+num_passes, per_pass, n, k = 3, 700, 256, 512
+run_sizes = [120, 0, 300, 7, 200, 64, 0, 150, 90, 33, 1, 256]  # runs (group, pass): 4 groups x 3 passes
+run_pass = [r % num_passes for r, size in enumerate(run_sizes) for _ in range(size)]
+index = (torch.tensor(run_pass) * per_pass + torch.randint(0, per_pass, (len(run_pass),))).cuda()
+rows = fp8_quantize_rows(torch.randn(num_passes * per_pass, k, device="cuda", dtype=torch.bfloat16))
+w = fp8_quantize_weights(torch.randn(len(run_sizes) // num_passes, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+offsets, m = offsets_from_sizes(run_sizes), sum(run_sizes)
+
+
+def gemm(flags):
+    passes = dict(a_row_index=index, num_passes=num_passes, ready_flags=flags)
+    if swiglu:
+        h, act = torch.empty(m, n, device="cuda", dtype=torch.bfloat16), empty_fp8_rows(m, n // 2, "cuda")
+        deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous((rows.data, rows.scales), (w.data, w.scales), h,
+                                                          (act.data, act.scales), offsets, **passes)
+        return h, act.data, act.scales
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((rows.data, rows.scales), (w.data, w.scales), d, offsets, **passes)
+    return (d,)
+
+
+landed = gemm(torch.ones(num_passes, dtype=torch.int32, device="cuda"))
+data = rows.data.view(torch.uint8)
+landing = data.cpu().pin_memory()
+data[per_pass:].fill_(0xFF)  # passes 1 and 2: e4m3 NaN bytes until they land
+flags = torch.zeros(num_passes, dtype=torch.int32, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):  # one sleep, queued before the GEMM; the copies and flags need no SM
+    torch.cuda._sleep(20_000_000)
+    for s in (2, 1):  # the later pass lands first
+        data[s * per_pass:(s + 1) * per_pass].copy_(landing[s * per_pass:(s + 1) * per_pass], non_blocking=True)
+        stream_write_u32(flags[s:].data_ptr(), 1, data.device.index)
+late = gemm(flags)
+torch.cuda.current_stream().wait_stream(side)
+torch.cuda.synchronize()
+print("same bits" if all(same_bits(a, b) for a, b in zip(landed, late)) else "differ")
+"""
+
+
+@requires_sm90
+@pytest.mark.parametrize("form", ["plain", "swiglu"])
+def test_gathered_passes_read_their_rows_only_after_their_flags(form):
+    """As over NVLink (GEMM1 of the FP8 exchange): each later pass's e4m3 rows are NaN bytes until
+    another stream copies them in from pinned host memory (a copy engine) and sets the pass's flag,
+    while the GEMM already runs on pass 0; the outputs are those of a run with every row in place."""
+    run = subprocess.run([sys.executable, "-c", _LANDING, form], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and run.stdout.strip().endswith("same bits"), run.stdout + run.stderr
 
 
 # Weight gradients: (group sizes, M, N).
