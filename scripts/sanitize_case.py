@@ -89,8 +89,9 @@ for row_index in (None, index):
     for act in (torch.empty(rows, 128, device="cuda", dtype=torch.bfloat16), (act8.data, act8.scales)):
         deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous((a8.data, a8.scales), (w8_swiglu.data, w8_swiglu.scales),
                                                           h8, act, offsets, a_row_index=row_index)
+ready = torch.ones(2, dtype=torch.int32, device="cuda")  # (ep_wait_flags above reset `flags` to zeros)
 deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, run_offsets,
-                                           a_row_index=index, num_passes=2, ready_flags=flags)
+                                           a_row_index=index, num_passes=2, ready_flags=ready)
 for pass_range in ((1, 2), (0, 1)):
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8.data, a8.scales), (w8.data, w8.scales), d8, run_offsets,
                                                num_passes=2, pass_range=pass_range)

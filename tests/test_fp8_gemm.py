@@ -356,7 +356,8 @@ def test_gathered_passes_read_their_rows_only_after_their_flags(form):
     """As over NVLink (GEMM1 of the FP8 exchange): each later pass's e4m3 rows are NaN bytes until
     another stream copies them in from pinned host memory (a copy engine) and sets the pass's flag,
     while the GEMM already runs on pass 0; the outputs are those of a run with every row in place."""
-    run = subprocess.run([sys.executable, "-c", _LANDING, form], capture_output=True, text=True, timeout=180)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (this checkout's deep_gemm first)
+    run = subprocess.run([sys.executable, "-c", _LANDING, form], capture_output=True, text=True, timeout=180, cwd=root)
     assert run.returncode == 0 and run.stdout.strip().endswith("same bits"), run.stdout + run.stderr
 
 
