@@ -341,6 +341,15 @@ def test_the_deep_ep_path_refuses_fp8_it_cannot_run_before_any_exchange(fp8, err
         ep_mega_moe_deep_ep(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], untouchable, fp8=fp8)
 
 
+def test_the_deep_ep_path_refuses_expert_ids_past_every_rank_before_any_exchange():
+    from types import SimpleNamespace
+    p = make_moe_inputs(4, H, I, E_LOCAL, K, dtype=torch.bfloat16)
+    p["topk_idx"][1, 0] = 2 * E_LOCAL  # past the 2 ranks' experts
+    untouchable = SimpleNamespace(group_size=2)  # (any use of it beyond its size would fail)
+    with pytest.raises(ValueError, match="expert ids outside"):
+        ep_mega_moe_deep_ep(p["x"], p["topk_idx"], p["topk_weights"], p["l1"], p["l2"], untouchable)
+
+
 def _refuse_too_many_received_rows(rank: int, world: int) -> None:
     """One rank of the test below: with the quantization's element limit shrunk, every rank's FP8
     DeepEP call raises before any exchange (none is left waiting in one)."""

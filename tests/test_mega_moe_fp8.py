@@ -185,10 +185,11 @@ def test_a_backward_without_the_forwards_copies_caches_none(emulated_gemms):
     assert len(moe_fp8._weight_cache) == 0
 
 
-def test_switching_to_per_call_drops_the_cached_copies():
+@pytest.mark.parametrize("policy", [deep_gemm.Fp8WeightCopies.PER_CALL, deep_gemm.Fp8WeightCopies.PER_GEMM])
+def test_switching_away_from_per_step_drops_the_cached_copies(policy):
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     cached = weakref.ref(fp8_weights(w))
-    with weight_copies(deep_gemm.Fp8WeightCopies.PER_CALL):
+    with weight_copies(policy):
         assert cached() is None
     assert fp8_weights(w) is fp8_weights(w)
 

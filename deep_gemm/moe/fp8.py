@@ -57,12 +57,13 @@ _step_hook = None
 
 def set_fp8_weight_copies(policy: Fp8WeightCopies) -> None:
     """Sets how long the FP8 layer's weight copies live, for every FP8 forward from now on
-    (`Fp8WeightCopies`); PER_CALL also drops the cached copies."""
+    (`Fp8WeightCopies`); PER_CALL and PER_GEMM also drop the cached copies (neither reads them,
+    and PER_GEMM is the policy that keeps the peak at bf16's)."""
     global _copies
     if not isinstance(policy, Fp8WeightCopies):
         raise TypeError(f"policy must be an Fp8WeightCopies, got {type(policy).__name__}")
     _copies = policy
-    if policy is Fp8WeightCopies.PER_CALL:
+    if policy is not Fp8WeightCopies.PER_STEP:
         invalidate_fp8_weights()
 
 
