@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kernels import (Fp8WeightCopies, check_bool, MegaMoEHandle, RoutingLayout, bf16_mega_moe, fp8_mega_moe,
+from ._kernels import (Fp8WeightCopies, MegaMoEHandle, RoutingLayout, bf16_mega_moe, check_bool, fp8_mega_moe,
                        get_fp8_weight_copies)
 
 from .backward import mega_moe_backward

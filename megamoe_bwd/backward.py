@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_bool, check_disjoint, check_tensor, dense_rows,
-                       fp8_dgrad_weights, fp8_quantize_columns, fp8_quantize_rows, k_grouped_bf16,
+from ._kernels import (Fp8Columns, Fp8Rows, MegaMoEHandle, RoutingLayout, check_bool, check_disjoint, check_tensor,
+                       dense_rows, fp8_dgrad_weights, fp8_quantize_columns, fp8_quantize_rows, k_grouped_bf16,
                        k_grouped_bf16_gemm_tn_contiguous, k_grouped_fp8, k_grouped_fp8_gemm_tn_contiguous,
                        m_grouped_bf16, m_grouped_bf16_gemm_nn_contiguous, m_grouped_fp8,
                        m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, moe_gather_rows_bf16, moe_kernels_fp8,

@@ -87,6 +87,11 @@ def k_loops(sass: str) -> list[Loop]:
     return sorted(kept, key=lambda lp: lp.start)
 
 
+def find_disassembler() -> str | None:
+    """nvdisasm, else cuobjdump, from PATH (None if neither is there)."""
+    return shutil.which("nvdisasm") or shutil.which("cuobjdump")
+
+
 def disassemble(cubin: str, tool: str) -> str:
     args = [tool, "-c", cubin] if os.path.basename(tool).startswith("nvdisasm") else [tool, "--dump-sass", cubin]
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
@@ -111,7 +116,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="labels holding one of these substrings, comma-separated")
     parser.add_argument("--disassembler", default=None, help="nvdisasm or cuobjdump (default: the first on PATH)")
     args = parser.parse_args()
-    tool = args.disassembler or shutil.which("nvdisasm") or shutil.which("cuobjdump")
+    tool = args.disassembler or find_disassembler()
     if tool is None:
         sys.exit("kloop_sass.py needs nvdisasm or cuobjdump (--disassembler PATH; pip's nvidia-cuda-nvdisasm has one)")
     import deep_gemm

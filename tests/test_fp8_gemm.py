@@ -25,7 +25,7 @@ from deep_gemm.utils import num_sms_capped  # noqa: E402
 from deep_gemm.quant import (empty_fp8_rows, fp8_quantize_columns, fp8_quantize_rows, fp8_quantize_weights,  # noqa: E402
                              reference)
 from deep_gemm.testing import (offsets_from_sizes, random_group_sizes, relative_error, same_bits,  # noqa: E402
-                               torch_fp8_rowwise_grouped_mm)
+                               torch_fp8_rowwise_grouped_mm, view_of_memory)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
@@ -518,23 +518,16 @@ def test_bad_input_is_refused_before_any_launch(change, error):
         _bad(**change)
 
 
-def _overlapping(t: torch.Tensor, shape: tuple, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    """A tensor of `shape` and `dtype` over t's memory, from its byte `offset` on."""
-    nbytes = torch.empty(shape, dtype=dtype).numel() * dtype.itemsize
-    assert offset + nbytes <= t.numel() * t.element_size()
-    return t.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
-
-
 _BUFFER = torch.zeros(2 * _D.numel(), dtype=torch.bfloat16)  # d's bytes twice
 
 
 @pytest.mark.parametrize("change,error", [
-    (dict(a=(_overlapping(_D, _A[0].shape, torch.float8_e4m3fn), _A[1])), "d overlaps a in memory"),
-    (dict(b=(_overlapping(_D, _B[0].shape, torch.float8_e4m3fn), _B[1])), "d overlaps b in memory"),
-    (dict(offsets=_overlapping(_D, (3,), torch.int32, offset=_D.numel())), "d overlaps group_offsets"),
+    (dict(a=(view_of_memory(_D, _A[0].shape, torch.float8_e4m3fn), _A[1])), "d overlaps a in memory"),
+    (dict(b=(view_of_memory(_D, _B[0].shape, torch.float8_e4m3fn), _B[1])), "d overlaps b in memory"),
+    (dict(offsets=view_of_memory(_D, (3,), torch.int32, offset=_D.numel())), "d overlaps group_offsets"),
     # one buffer, d in its first half and a in its second: no overlap (the devices' check is next)
-    (dict(d=_overlapping(_BUFFER, _D.shape, torch.bfloat16),
-          a=(_overlapping(_BUFFER, _A[0].shape, torch.float8_e4m3fn, offset=2 * _D.numel()), _A[1])), "CUDA"),
+    (dict(d=view_of_memory(_BUFFER, _D.shape, torch.bfloat16),
+          a=(view_of_memory(_BUFFER, _A[0].shape, torch.float8_e4m3fn, offset=2 * _D.numel()), _A[1])), "CUDA"),
 ])
 def test_an_output_over_an_input_is_refused_before_any_launch(change, error):
     """A kernel writing memory it reads races: d over an operand or the offsets is refused; d
@@ -549,14 +542,14 @@ def test_the_swiglu_outputs_must_not_overlap_each_other():
     a, _, _, offsets = _operands()
     w = fp8_quantize_weights(torch.randn(2, 256, 256, dtype=torch.bfloat16))
     h = torch.empty(256, 256, dtype=torch.bfloat16)
-    act = (_overlapping(h, (256, 128), torch.float8_e4m3fn), empty_fp8_rows(256, 128, "cpu").scales)
+    act = (view_of_memory(h, (256, 128), torch.float8_e4m3fn), empty_fp8_rows(256, 128, "cpu").scales)
     with pytest.raises(ValueError, match="h overlaps act in memory"):
         deep_gemm.m_grouped_fp8_gemm_nt_swiglu_contiguous(a, (w.data, w.scales), h, act, offsets)
 
 
 def test_the_weight_gradient_refuses_d_over_an_operand():
     d = torch.empty(2, 256, 128)
-    a = (_overlapping(d, _COLS_A.data.shape, torch.float8_e4m3fn), _COLS_A.scales)
+    a = (view_of_memory(d, _COLS_A.data.shape, torch.float8_e4m3fn), _COLS_A.scales)
     with pytest.raises(ValueError, match="d overlaps a in memory"):
         deep_gemm.k_grouped_fp8_gemm_tn_contiguous(a, (_COLS_B.data, _COLS_B.scales), d, _COLS_A.padded_offsets)
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deep_gemm  # noqa: E402
 from deep_gemm.gemm import common as gemm_common, k_grouped_bf16, m_grouped_bf16  # noqa: E402
-from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error  # noqa: E402
+from deep_gemm.testing import offsets_from_sizes, random_group_sizes, relative_error, view_of_memory  # noqa: E402
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")
@@ -360,7 +360,7 @@ def test_m_grouped_refuses_an_output_over_an_input(args, match):
 
 def test_swiglu_outputs_must_not_overlap():
     h = _bf16(8, 256)
-    act = h.view(-1)[:8 * 128].view(8, 128)  # act over h's first rows
+    act = view_of_memory(h, (8, 128), torch.bfloat16)  # act over h's first rows
     with pytest.raises(ValueError, match="h overlaps act in memory"):
         deep_gemm.m_grouped_bf16_gemm_nt_swiglu_contiguous(_A8, _bf16(1, 256, 64), h, act, _offs(8))
 
@@ -415,7 +415,7 @@ def test_k_grouped_rejects_bad_input(args, error, match):
 def test_k_grouped_refuses_d_over_an_operand():
     b = torch.zeros(1, 64, 32)  # fp32 d's memory, read as b's rows too
     with pytest.raises(ValueError, match="d overlaps b in memory"):
-        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), b.view(-1).view(torch.bfloat16)[:256].view(8, 32), b,
+        deep_gemm.k_grouped_bf16_gemm_tn_contiguous(_bf16(8, 64), view_of_memory(b, (8, 32), torch.bfloat16), b,
                                                     _offs(8))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import time
 
@@ -15,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import deep_gemm  # noqa: E402
 from deep_gemm.gemm import m_grouped_bf16  # noqa: E402
 from deep_gemm.jit import CompileError, compile_cubin  # noqa: E402
 from deep_gemm.jit.compiler import cache_key, nvcc_path  # noqa: E402
@@ -23,7 +23,7 @@ from deep_gemm.jit.runtime import build_kernel  # noqa: E402
 from deep_gemm.precompile import all_kernels, resource_report  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from kloop_sass import disassemble  # noqa: E402
+from kloop_sass import disassemble, find_disassembler, fp8_gemm_kernels  # noqa: E402
 
 try:
     nvcc_path()
@@ -40,8 +40,8 @@ def test_kernel_compiles_without_spills_or_serialized_mmas(label, build):
     assert report["spill_bytes"] == 0 and report["stack_bytes"] == 0 and not report["serialized_wgmma"], report
 
 
-DISASSEMBLER = shutil.which("nvdisasm") or shutil.which("cuobjdump")
-FP8_GEMMS = [(label, build) for label, build in all_kernels() if label.startswith(("m_grouped_fp8", "k_grouped_fp8"))]
+DISASSEMBLER = find_disassembler()
+FP8_GEMMS = list(fp8_gemm_kernels(deep_gemm).items())
 
 
 @requires_nvcc

@@ -22,7 +22,7 @@ import deep_gemm  # noqa: E402
 from deep_gemm.moe import MegaMoEHandle, build_routing_layout  # noqa: E402
 from deep_gemm.moe.forward import check_expert_ids, moe_forward  # noqa: E402
 from deep_gemm.moe.fp8 import fp8_moe_forward, fp8_weights  # noqa: E402
-from deep_gemm.testing import eager_and_graph_replay, emulate  # noqa: E402
+from deep_gemm.testing import eager_and_graph_replay, emulate, view_of_memory  # noqa: E402
 from emulated_kernels import PAIRS, patch_kernels  # noqa: E402
 from megamoe_bwd import MegaMoE, mega_moe, mega_moe_backward  # noqa: E402
 from megamoe_bwd.testing import accuracy  # noqa: E402
@@ -115,12 +115,8 @@ BAD_BACKWARD_ARGS = [
 def _share_memory(args: dict, output: str, source: str) -> None:
     """args[output] becomes a new tensor whose first bytes hold args[source], and args[source] a
     view of them (the same values): an output over an input."""
-    out, src = args[output], args[source]
-    buffer = torch.zeros_like(out)
-    nbytes = src.numel() * src.element_size()
-    assert nbytes <= buffer.numel() * buffer.element_size()
-    view = buffer.view(-1).view(torch.uint8)[:nbytes].view(src.dtype).view(src.shape)
-    view.copy_(src)
+    buffer = torch.zeros_like(args[output])
+    view = view_of_memory(buffer, args[source].shape, args[source].dtype).copy_(args[source])
     args.update({output: buffer, source: view})
 
 
@@ -137,7 +133,7 @@ def _backward_problem(device: str, recipe: str = "bf16") -> dict:
             h = fp8_moe_forward(p["x"], layout, p["topk_weights"], fp8_weights(p["l1"]), fp8_weights(p["l2"]),
                                 torch.empty_like(p["x"]))
         else:
-            h = moe_forward(*args[:1], layout, *args[2:], torch.empty_like(p["x"]))
+            h = moe_forward(p["x"], layout, p["topk_weights"], p["l1"], p["l2"], torch.empty_like(p["x"]))
         handle = MegaMoEHandle(layout, p["x"], h, recipe=recipe)
     else:
         _, handle = (deep_gemm.fp8_mega_moe if recipe == "fp8" else deep_gemm.bf16_mega_moe)(*args, training=True)

@@ -7,7 +7,7 @@ forward (megamoe_bwd.ep), which runs it over rows that arrive in passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -160,10 +160,14 @@ def bf16_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 def prepare_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: torch.Tensor,
                     l2: torch.Tensor, y: Optional[torch.Tensor], training: bool, check_ids: bool, name: str,
-                    dim_multiple: int = DIM_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor, RoutingLayout]:
+                    dim_multiple: int = DIM_MULTIPLE, check_more: Optional[Callable[[], None]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, RoutingLayout]:
     """The forwards' common start: every argument checked (H and I multiples of
-    `dim_multiple`), then ``(x with dense rows, y, the routing layout)``."""
+    `dim_multiple`; `check_more`, a recipe's own checks, once the arguments are well-formed), then
+    ``(x with dense rows, y, the routing layout)``."""
     num_tokens, hidden, _, num_experts, _ = check_moe_inputs(x, topk_idx, topk_weights, l1, l2, dim_multiple)
+    if check_more is not None:
+        check_more()
     check_bool(training=training, check_ids=check_ids)
     if y is not None:
         check_tensor("y", y, torch.bfloat16, 2)

@@ -151,10 +151,8 @@ def fp8_moe_forward(x: torch.Tensor, layout: RoutingLayout, topk_weights: torch.
 def check_fp8_sizes(x: torch.Tensor, topk_idx: torch.Tensor, l1: torch.Tensor) -> None:
     """What the FP8 backward's quantization passes take, checked in the forward (so that a
     backward never stops halfway): at most MAX_GROUPS experts (the column quantization's
-    group scan), and fewer than 2^31 elements in its largest operand, [T * K, max(H, 2I)]."""
-    tensors = (x, topk_idx, l1)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or tuple(t.dim() for t in tensors) != (2, 2, 3):
-        return  # (check_moe_inputs says what is wrong)
+    group scan), and fewer than 2^31 elements in its largest operand, [T * K, max(H, 2I)]. For
+    arguments `check_moe_inputs` has passed."""
     num_experts, two_inter, hidden = l1.shape
     if num_experts > MAX_GROUPS:
         raise ValueError(f"fp8_mega_moe takes at most {MAX_GROUPS} experts, got {num_experts}")
@@ -176,9 +174,8 @@ def fp8_mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     With `training`, the handle (recipe "fp8") makes `mega_moe_backward` run the backward in FP8
     as well.
     """
-    check_fp8_sizes(x, topk_idx, l1)
     x, y, layout = prepare_forward(x, topk_idx, topk_weights, l1, l2, y, training, check_ids, "fp8_mega_moe",
-                                   FP8_DIM_MULTIPLE)
+                                   FP8_DIM_MULTIPLE, check_more=lambda: check_fp8_sizes(x, topk_idx, l1))
     w1, w2 = fp8_weights(l1), fp8_weights(l2)
     h = fp8_moe_forward(x, layout, topk_weights, w1, w2, y)
     if not training:

@@ -40,3 +40,12 @@ def same_written_columns(out, ref) -> bool:
     used = int(ref.padded_offsets[-1])
     return (same_bits(out.data[:, :used], ref.data[:, :used])
             and same_bits(out.scales[:used // 128], ref.scales[:used // 128]))
+
+
+def view_of_memory(t: torch.Tensor, shape: tuple, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over t's memory from its byte `offset` on (contiguous t):
+    an output over an input, for the input checks' tests."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if offset + nbytes > t.numel() * t.element_size():
+        raise ValueError(f"{nbytes} bytes from byte {offset} do not fit in t's {t.numel() * t.element_size()}")
+    return t.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)

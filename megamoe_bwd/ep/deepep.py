@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, RoutingLayout, bf16_mega_moe, build_routing_layout,
-                        check_bool, check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights, kept_dgrad_weights,
-                        m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16, quant_kernels)
+                        check_bool, check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows,
+                        fp8_weights, kept_dgrad_weights, m_grouped_fp8_gemm_nt_contiguous, moe_combine_bf16,
+                        quant_kernels)
 
 from ..backward import backward_to_dz, dx_rows_beside_dl1, routing_weight_grad, weight_grads
 from .exchange import landed
@@ -162,6 +163,6 @@ def ep_mega_moe_deep_ep(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     if fp8 and num_local > quant_kernels.MAX_GROUPS:  # (the column quantization's group scan)
         raise ValueError(f"fp8: at most {quant_kernels.MAX_GROUPS} experts a rank, got {num_local}")
     num_experts = num_local * buffer.group_size
-    check_expert_ids(topk_idx, num_experts, sync=not x.is_cuda)  # (DeepEP would route an id past them out of bounds)
+    check_expert_ids(topk_idx, num_experts, sync=not x.is_cuda)  # (DeepEP would route an id past them out of range)
     return _DeepEPMegaMoE.apply(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), l1, l2, buffer,
                                 num_experts, fp8)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .._kernels import (DIM_MULTIPLE, FP8_DIM_MULTIPLE, Fp8Rows, MegaMoEHandle, RoutingLayout, build_routing_layout,
-                        check_bool, check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows, fp8_weights,
-                        gate_up_swiglu, kept_dgrad_weights, m_grouped_bf16_gemm_nn_contiguous,
+                        check_bool, check_expert_ids, check_moe_inputs, fp8_dgrad_weights, fp8_quantize_rows,
+                        fp8_weights, gate_up_swiglu, kept_dgrad_weights, m_grouped_bf16_gemm_nn_contiguous,
                         m_grouped_bf16_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_contiguous, moe_gather_rows_bf16,
                         quant_kernels)
 
